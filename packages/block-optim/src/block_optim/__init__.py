@@ -1,0 +1,1 @@
+"""block_optim (skeleton; filled by its own issue)."""

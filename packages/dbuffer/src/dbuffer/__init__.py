@@ -1,0 +1,1 @@
+"""dbuffer (skeleton; filled by its own issue)."""

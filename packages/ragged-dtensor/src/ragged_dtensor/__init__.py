@@ -1,0 +1,1 @@
+"""ragged_dtensor (skeleton; filled by its own issue)."""
