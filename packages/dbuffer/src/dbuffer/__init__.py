@@ -1,1 +1,13 @@
-"""dbuffer (skeleton; filled by its own issue)."""
+"""dbuffer: a zero-copy distributed flat buffer for FSDP, with fused whole-buffer kernels.
+
+Parameters (sharded and unsharded) and gradients of one FSDP group are views into flat
+buffers laid out by a :class:`layout_planner.Plan`, so all-gather and reduce-scatter run in
+place. See :class:`dbuffer.DBuffer` and :mod:`dbuffer.kernels`.
+"""
+
+from dbuffer import kernels
+from dbuffer.buffer import DBuffer
+from dbuffer.collectives import CollectiveHandle
+from dbuffer.errors import SUPPORTED_DTYPES, FreedBufferError
+
+__all__ = ["SUPPORTED_DTYPES", "CollectiveHandle", "DBuffer", "FreedBufferError", "kernels"]

@@ -1,0 +1,495 @@
+"""DBuffer: one FSDP group's parameters and gradients as views of flat, plan-laid-out buffers.
+
+Four flat buffers share the layout of one :class:`layout_planner.Plan` (``W`` ranks, ``S``
+elements per rank, tensor ``t`` at global offset ``l_t``):
+
+* sharded parameters, ``S`` elements of ``dtype``, persistent: this rank's slice
+  ``[r*S, (r+1)*S)`` of the global layout;
+* unsharded parameters, ``W*S`` elements of ``compute_dtype``, alive between
+  :meth:`DBuffer.all_gather` and :meth:`DBuffer.free_unsharded`;
+* unsharded gradients, ``W*S`` elements of ``compute_dtype``, alive from the first
+  :meth:`DBuffer.grad_view` (zero-filled) until :meth:`DBuffer.free_grad`;
+* sharded gradients, ``S`` elements of ``dtype``, written by :meth:`DBuffer.reduce_scatter`
+  and alive until :meth:`DBuffer.free_sharded_grad`.
+
+Every per-tensor object handed out is a view of one of them, so the collectives run on the
+buffers themselves: no copy-in, no copy-out, no ``chunk_cat``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from layout_planner import Plan, PlanEntry
+from ragged_dtensor import RaggedShard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.profiler import record_function
+
+from dbuffer import kernels
+from dbuffer.collectives import (
+    CollectiveHandle,
+    all_gather_into,
+    all_reduce_sum,
+    reduce_scatter_into,
+)
+from dbuffer.errors import check_consistent, check_dtype, fingerprint_int, raise_everywhere
+from dbuffer.flat import FlatBuffer
+from dbuffer.topology import Topology
+
+ReduceOp = Literal["avg", "sum"]
+
+
+class DBuffer:
+    """Sharded and unsharded parameters and gradients of one FSDP group, zero-copy.
+
+    Construction is collective: every rank of ``group`` must build its DBuffer from the same
+    plan and dtypes; this is checked once with a small all-gather of a fingerprint, and a
+    mismatch (or a local error such as a plan for another world size) raises on every rank.
+
+    Args:
+        plan: the layout; its ``world_size`` must equal the size of the shard group.
+        group: ``None`` (default group), a process group, a 1-D device mesh, or a 2-D
+            ``(replicate, shard)`` device mesh for HSDP.
+        device: where the buffers live.
+        dtype: the sharded master copy's dtype (also the sharded gradients').
+        compute_dtype: the unsharded parameters' and gradients' dtype (default ``dtype``).
+        reduce_dtype: the dtype gradients are reduced in (default ``compute_dtype``).
+        requires_grad: names of the trainable tensors (default: all). Frozen tensors get no
+            gradient views; with none trainable no gradient memory is ever allocated.
+
+    Raises:
+        TypeError: for an unsupported dtype.
+        ValueError: for a plan that does not match the group, unknown ``requires_grad`` names,
+            or a plan/dtype fingerprint that differs across ranks (on every rank).
+    """
+
+    def __init__(self, plan: Plan, group: dist.ProcessGroup | DeviceMesh | None = None, *,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 compute_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None,
+                 requires_grad: Collection[str] | None = None) -> None:
+        self.plan = plan
+        self.topology = Topology.resolve(group)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.compute_dtype = compute_dtype or dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self._entries: dict[str, PlanEntry] = {e.name: e for e in plan.entries}
+        wanted = set(self._entries if requires_grad is None else requires_grad)
+        self.trainable: tuple[str, ...] = tuple(n for n in self._entries if n in wanted)
+        error = self._local_error(requires_grad)
+        check_consistent(error, self._fingerprint(), self.topology.groups)
+
+        self.rank = self.topology.shard_rank
+        self.world_size = plan.world_size
+        S = plan.shard_size
+        self._sharded = FlatBuffer(S, dtype, self.device, "sharded parameter buffer",
+                                   allocated=True)
+        self._unsharded = FlatBuffer(self.world_size * S, self.compute_dtype, self.device,
+                                     "unsharded parameter buffer", allocated=False)
+        self._grad: FlatBuffer | None = None
+        self._sharded_grad: FlatBuffer | None = None
+        if self.trainable:
+            self._grad = FlatBuffer(self.world_size * S, self.compute_dtype, self.device,
+                                    "unsharded gradient buffer", allocated=False)
+            self._sharded_grad = FlatBuffer(S, dtype, self.device, "sharded gradient buffer",
+                                            allocated=False)
+        self._views: dict[tuple[str, str], torch.Tensor] = {}
+        self._dtensors: dict[tuple[str, str], DTensor] = {}
+
+    # ----------------------------------------------------------------- construction helpers
+    @classmethod
+    def from_tensors(cls, named_full_tensors: Mapping[str, torch.Tensor], plan: Plan,
+                     group: dist.ProcessGroup | DeviceMesh | None = None,
+                     **kwargs: object) -> DBuffer:
+        """Build a DBuffer and fill this rank's pieces from full (unsharded) tensors.
+
+        Every rank passes the same full tensors (e.g. from one seeded initialisation); each
+        keeps only its own pieces. This is the only per-tensor copy DBuffer makes, once.
+
+        Args:
+            named_full_tensors: one full tensor per plan entry, by name.
+            plan: the layout.
+            group: as for :class:`DBuffer`.
+            **kwargs: the other :class:`DBuffer` keyword arguments.
+
+        Returns:
+            The filled buffer.
+
+        Raises:
+            ValueError: when the names or sizes do not match the plan (on every rank).
+        """
+        names = {e.name for e in plan.entries}
+        error: ValueError | None = None
+        if set(named_full_tensors) != names:
+            missing = sorted(names - set(named_full_tensors))
+            extra = sorted(set(named_full_tensors) - names)
+            error = ValueError(f"named_full_tensors must hold exactly the plan's tensors: "
+                               f"missing {missing}, unexpected {extra}")
+        else:
+            for entry in plan.entries:
+                t = named_full_tensors[entry.name]
+                if t.numel() != entry.numel or (entry.shape is not None
+                                                 and tuple(t.shape) != tuple(entry.shape)):
+                    error = ValueError(f"tensor {entry.name!r}: shape {tuple(t.shape)} does not "
+                                       f"match the plan (numel {entry.numel}, shape {entry.shape})")
+                    break
+        buffer = cls(plan, group, **kwargs)  # type: ignore[arg-type]
+        raise_everywhere(error, buffer.topology.groups)
+        with torch.no_grad():
+            for entry in plan.entries:
+                start, end = plan.local_range(entry.name, buffer.rank)
+                flat = named_full_tensors[entry.name].detach().reshape(-1)
+                buffer.local_view(entry.name).copy_(flat[start:end])
+        return buffer
+
+    def _local_error(self, requires_grad: Collection[str] | None) -> BaseException | None:
+        try:
+            check_dtype(self.dtype, "dtype")
+            check_dtype(self.compute_dtype, "compute_dtype")
+            check_dtype(self.reduce_dtype, "reduce_dtype")
+        except TypeError as error:
+            return error
+        if self.plan.world_size != self.topology.shard_size:
+            return ValueError(f"plan is for world_size {self.plan.world_size} but the shard "
+                              f"group has {self.topology.shard_size} ranks")
+        if requires_grad is not None:
+            unknown = sorted(set(requires_grad) - self._entries.keys())
+            if unknown:
+                return ValueError(f"requires_grad names tensors not in the plan: {unknown}")
+        return None
+
+    def _fingerprint(self) -> int:
+        return fingerprint_int(self.plan.fingerprint(), str(self.dtype), str(self.compute_dtype),
+                               str(self.reduce_dtype), ",".join(self.trainable))
+
+    # ---------------------------------------------------------------------------- layout
+    @property
+    def shard_size(self) -> int:
+        """``S``: elements of the sharded buffers per rank."""
+        return self.plan.shard_size
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tensors of the buffer, in plan order."""
+        return tuple(self._entries)
+
+    def _entry(self, name: str) -> PlanEntry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} is not in this DBuffer "
+                           f"(tensors: {list(self._entries)})") from None
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        entry = self._entry(name)
+        return tuple(entry.shape) if entry.shape is not None else (entry.numel,)
+
+    def _local_slice(self, name: str) -> tuple[int, int]:
+        entry = self._entry(name)
+        start, end = self.plan.local_range(name, self.rank)
+        if start == end:
+            return 0, 0
+        return entry.offset + start - self.rank * self.shard_size, end - start
+
+    def _check_trainable(self, name: str) -> None:
+        self._entry(name)
+        if name not in self.trainable:
+            raise ValueError(f"tensor {name!r} is frozen (not in requires_grad): it has no "
+                             "gradient")
+
+    def _view(self, kind: str, name: str, flat: torch.Tensor, offset: int, numel: int,
+              shape: tuple[int, ...]) -> torch.Tensor:
+        key = (kind, name)
+        if key not in self._views:
+            self._views[key] = flat.narrow(0, offset, numel).view(shape)
+        return self._views[key]
+
+    # ------------------------------------------------------------------- sharded params
+    @property
+    def sharded_buffer(self) -> torch.Tensor:
+        """The flat sharded parameter buffer (``S`` elements of ``dtype``), e.g. for fused
+        optimizer steps over the whole group."""
+        return self._sharded.tensor
+
+    def local_view(self, name: str) -> torch.Tensor:
+        """This rank's piece of tensor ``name``: a 1-D view of the sharded buffer.
+
+        Args:
+            name: the tensor.
+
+        Returns:
+            A 1-D view (empty when this rank owns none of the tensor).
+        """
+        offset, numel = self._local_slice(name)
+        return self._view("local", name, self._sharded.tensor, offset, numel, (numel,))
+
+    def _dtensor(self, kind: str, name: str, local: torch.Tensor) -> DTensor:
+        key = (kind, name)
+        if key not in self._dtensors:
+            shape = self._shape(name)
+            counts = [end - start for start, end in
+                      (self.plan.local_range(name, r) for r in range(self.world_size))]
+            ragged = RaggedShard.from_element_counts(shape, counts)
+            placements = (ragged,) if self.topology.replicate_group is None else (Replicate(), ragged)
+            stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+            self._dtensors[key] = DTensor.from_local(
+                local, self.topology.device_mesh(self.device.type), placements,
+                shape=torch.Size(shape), stride=stride, run_check=False)
+        return self._dtensors[key]
+
+    def sharded_param(self, name: str) -> DTensor:
+        """Tensor ``name`` as a RaggedShard DTensor whose local tensor is :meth:`local_view`.
+
+        Args:
+            name: the tensor.
+
+        Returns:
+            The DTensor (``(Replicate(), RaggedShard)`` on an HSDP mesh); cached per name.
+        """
+        return self._dtensor("param", name, self.local_view(name))
+
+    # ------------------------------------------------------------------ unsharded params
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the unsharded parameter buffer holds memory (after :meth:`all_gather`)."""
+        return self._unsharded.allocated
+
+    @property
+    def unsharded_buffer(self) -> torch.Tensor:
+        """The flat unsharded parameter buffer (``W*S`` elements of ``compute_dtype``).
+
+        Raises:
+            FreedBufferError: when it is freed.
+        """
+        self._unsharded.check("unsharded_buffer", "call all_gather() first")
+        return self._unsharded.tensor
+
+    def all_gather(self, async_op: bool = False) -> CollectiveHandle | None:
+        """Fill the unsharded parameter buffer with one all-gather, in place.
+
+        Without a dtype change the collective's input is the sharded buffer itself. With
+        ``compute_dtype != dtype``, one fused launch casts the whole shard into this rank's
+        slice of the unsharded buffer, which is then the input.
+
+        Args:
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            With ``async_op``, a handle whose ``wait()`` completes the gather; else ``None``.
+        """
+        S = self.shard_size
+        self._unsharded.allocate()
+        with record_function("dbuffer::all_gather"), self._unsharded.writing() as out:
+            if self.compute_dtype == self.dtype:
+                shard = self._sharded.tensor
+            else:
+                shard = out.narrow(0, self.rank * S, S)
+                kernels.copy_cast_(shard, self._sharded.tensor)
+            work = all_gather_into(out, shard, self.topology.shard_group, async_op)
+        return CollectiveHandle(work) if async_op else None
+
+    def unsharded_view(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` in full, shaped like it: a view of the unsharded buffer.
+
+        The same view object is returned every time; it stays valid across
+        :meth:`free_unsharded` and the next :meth:`all_gather` (it must not be used between).
+
+        Args:
+            name: the tensor.
+
+        Returns:
+            A view of the unsharded buffer at the plan's offset.
+
+        Raises:
+            FreedBufferError: when the unsharded buffer is freed.
+        """
+        entry = self._entry(name)
+        self._unsharded.check(f"unsharded_view({name!r})", "call all_gather() first")
+        return self._view("unsharded", name, self._unsharded.tensor, entry.offset, entry.numel,
+                          self._shape(name))
+
+    def free_unsharded(self) -> None:
+        """Release the unsharded parameter memory (storage resized to 0 in place)."""
+        self._unsharded.free()
+
+    # ------------------------------------------------------------------------ gradients
+    def _require_grad_buffers(self) -> tuple[FlatBuffer, FlatBuffer]:
+        if self._grad is None or self._sharded_grad is None:
+            raise ValueError("every tensor of this DBuffer is frozen: it has no gradients")
+        return self._grad, self._sharded_grad
+
+    @property
+    def has_grad(self) -> bool:
+        """Whether the unsharded gradient buffer holds memory."""
+        return self._grad is not None and self._grad.allocated
+
+    @property
+    def has_sharded_grad(self) -> bool:
+        """Whether the sharded gradients hold a reduced gradient."""
+        return self._sharded_grad is not None and self._sharded_grad.allocated
+
+    @property
+    def grad_buffer(self) -> torch.Tensor:
+        """The flat unsharded gradient buffer (``W*S`` elements of ``compute_dtype``),
+        zero-filled and allocated on first use.
+
+        Raises:
+            ValueError: when every tensor is frozen.
+        """
+        grad, _ = self._require_grad_buffers()
+        if grad.allocate():
+            kernels.zero_(grad.tensor)
+        return grad.tensor
+
+    def grad_view(self, name: str) -> torch.Tensor:
+        """Tensor ``name``'s unsharded gradient: a view of the gradient buffer, shaped like
+        the tensor, for autograd to accumulate into (set it as the unsharded parameter's
+        ``.grad``). Allocates and zero-fills the buffer (one launch) if it is freed.
+
+        Args:
+            name: a trainable tensor.
+
+        Returns:
+            A view in ``compute_dtype``.
+
+        Raises:
+            ValueError: when ``name`` is frozen.
+        """
+        self._check_trainable(name)
+        flat = self.grad_buffer
+        entry = self._entry(name)
+        return self._view("grad", name, flat, entry.offset, entry.numel, self._shape(name))
+
+    def reduce_scatter(self, op: ReduceOp = "avg", async_op: bool = False, *,
+                       predivide: bool = False) -> CollectiveHandle | None:
+        """Reduce the unsharded gradients over all ranks into the sharded gradients.
+
+        One reduce-scatter over the shard group (then, for HSDP, one all-reduce over the
+        replicate group). When the sharded gradients are freed they are overwritten,
+        otherwise the reduced gradient is added to them (accumulation across reduce-scatters).
+        Dtype changes and the average's division are fused into single launches: a cast of
+        the gradient buffer into the reduce dtype (with the division when ``predivide``) and,
+        after the collective, one scale, cast or add into the sharded gradients. When the
+        dtypes allow, the collective reads the gradient buffer and writes the sharded
+        gradient buffer directly.
+
+        Args:
+            op: ``"avg"`` (divide by the number of data-parallel ranks) or ``"sum"``.
+            async_op: return a handle instead of waiting.
+            predivide: divide before the collective (guards low-precision overflow) instead
+                of after it.
+
+        Returns:
+            With ``async_op``, a handle whose ``wait()`` completes everything; else ``None``.
+
+        Raises:
+            ValueError: for an unknown ``op`` or when every tensor is frozen.
+            FreedBufferError: when there is no unsharded gradient (freed or never created).
+        """
+        if op not in ("avg", "sum"):
+            raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+        with record_function("dbuffer::reduce_scatter"):
+            return self._reduce_scatter(op, async_op, predivide)
+
+    def _reduce_scatter(self, op: ReduceOp, async_op: bool,
+                        predivide: bool) -> CollectiveHandle | None:
+        grad, sharded_grad = self._require_grad_buffers()
+        grad.check("reduce_scatter()", "there is no gradient to reduce (call grad_view() "
+                   "and run backward first)")
+        ranks = self.world_size * self.topology.replicate_size
+        factor = 1.0 / ranks if op == "avg" else 1.0
+        pre, post = (factor, 1.0) if predivide else (1.0, factor)
+
+        if self.reduce_dtype == self.compute_dtype and pre == 1.0:
+            full = grad.tensor
+        else:
+            full = torch.empty(grad.tensor.numel(), dtype=self.reduce_dtype, device=self.device)
+            kernels.copy_cast_(full, grad.tensor, pre)
+        accumulate = sharded_grad.allocated
+        sharded_grad.allocate()
+        direct = not accumulate and self.reduce_dtype == self.dtype
+        if direct:
+            out = sharded_grad.tensor
+        else:
+            out = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
+        work = reduce_scatter_into(out, full, self.topology.shard_group, async_op)
+
+        def finish() -> None:
+            with record_function("dbuffer::reduce_scatter_finish"):
+                if self.topology.replicate_group is not None:
+                    all_reduce_sum(out, self.topology.replicate_group)
+                if direct:
+                    if post != 1.0:
+                        kernels.scale_(out, post)
+                elif accumulate:
+                    kernels.add_(sharded_grad.tensor, out, post)
+                else:
+                    kernels.copy_cast_(sharded_grad.tensor, out, post)
+
+        if async_op:
+            return CollectiveHandle(work, finish)
+        finish()
+        return None
+
+    def sharded_grad_view(self, name: str) -> torch.Tensor:
+        """This rank's piece of tensor ``name``'s reduced gradient (1-D, ``dtype``): a view
+        of the sharded gradient buffer, laid out like :meth:`local_view`.
+
+        Args:
+            name: a trainable tensor.
+
+        Returns:
+            A 1-D view.
+
+        Raises:
+            ValueError: when ``name`` is frozen.
+            FreedBufferError: before the first :meth:`reduce_scatter` or after
+                :meth:`free_sharded_grad`.
+        """
+        self._check_trainable(name)
+        _, sharded_grad = self._require_grad_buffers()
+        sharded_grad.check(f"sharded_grad_view({name!r})", "call reduce_scatter() first")
+        offset, numel = self._local_slice(name)
+        return self._view("sharded_grad", name, sharded_grad.tensor, offset, numel, (numel,))
+
+    def sharded_grad(self, name: str) -> DTensor:
+        """Tensor ``name``'s reduced gradient as a RaggedShard DTensor over
+        :meth:`sharded_grad_view` (placed like :meth:`sharded_param`, so it can be a
+        parameter's ``.grad``).
+
+        Args:
+            name: a trainable tensor.
+
+        Returns:
+            The DTensor; cached per name.
+        """
+        return self._dtensor("grad", name, self.sharded_grad_view(name))
+
+    @property
+    def sharded_grad_buffer(self) -> torch.Tensor:
+        """The flat sharded gradient buffer (``S`` elements of ``dtype``).
+
+        Raises:
+            FreedBufferError: when it holds no gradient.
+        """
+        _, sharded_grad = self._require_grad_buffers()
+        sharded_grad.check("sharded_grad_buffer", "call reduce_scatter() first")
+        return sharded_grad.tensor
+
+    def free_grad(self) -> None:
+        """Release the unsharded gradient memory (storage resized to 0 in place); the next
+        :meth:`grad_view` re-allocates it zero-filled."""
+        if self._grad is not None:
+            self._grad.free()
+
+    def free_sharded_grad(self) -> None:
+        """Drop the sharded gradients (``zero_grad(set_to_none=True)``); the next
+        :meth:`reduce_scatter` overwrites instead of accumulating."""
+        if self._sharded_grad is not None:
+            self._sharded_grad.free()

@@ -1,0 +1,70 @@
+"""The in-place collectives of a DBuffer, as plain functions over flat buffers.
+
+Nothing here allocates or copies: the caller passes the exact buffers (the all-gather input
+is a buffer or a slice of the output, the reduce-scatter output is the sharded gradient
+buffer or the one temporary the dtypes require). Each call and each wait runs in a
+profiler scope named ``comm:<op>``, so copies the backend makes while it runs (gloo stages
+data through temporaries) are told apart from copies DBuffer issues. Asynchronous calls
+return a :class:`CollectiveHandle` whose ``wait()`` completes the collective and then runs the
+buffer's follow-up step (HSDP all-reduce, averaging, cast into the sharded gradients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+
+class CollectiveHandle:
+    """A pending collective plus the work to run once it completes.
+
+    ``wait()`` is idempotent; the handle keeps every buffer the collective uses alive.
+    """
+
+    def __init__(self, work: dist.Work | None, then: Callable[[], None] | None = None) -> None:
+        self._work = work
+        self._then = then
+        self._done = False
+
+    def wait(self) -> None:
+        """Block until the collective and its follow-up step have finished."""
+        if self._done:
+            return
+        if self._work is not None:
+            with record_function("comm:wait"):
+                self._work.wait()
+        if self._then is not None:
+            self._then()
+        self._done = True
+        self._work = self._then = None
+
+    def is_completed(self) -> bool:
+        """Whether :meth:`wait` has run to the end."""
+        return self._done
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
+                    async_op: bool) -> dist.Work | None:
+    """Gather every rank's ``shard`` into ``output`` (rank r's at ``[r*S, (r+1)*S)``).
+
+    ``shard`` may be the slice of ``output`` this rank owns (an in-place all-gather).
+    """
+    with record_function("comm:all_gather"):
+        return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
+                        async_op: bool) -> dist.Work | None:
+    """Sum ``full`` over the ranks and leave this rank's ``S``-element slice in ``output``."""
+    with record_function("comm:reduce_scatter"):
+        return dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group,
+                                          async_op=async_op)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Sum ``tensor`` in place over ``group`` (the HSDP replicate dimension)."""
+    with record_function("comm:all_reduce"):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)

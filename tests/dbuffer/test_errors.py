@@ -1,0 +1,56 @@
+"""Errors raise on every rank (none is left waiting in a collective): a plan for another world
+size, plans or dtypes that differ across ranks, unsupported dtypes, bad names."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dbuffer import DBuffer
+from tests.dbuffer.cases import full_tensors, random_plan
+
+
+def _error_cases(plans: dict[str, object]) -> bool:
+    rank = dist.get_rank()
+    good, other_world, different = plans["good"], plans["other_world"], plans["different"]
+
+    with pytest.raises(ValueError, match="plan is for world_size"):
+        DBuffer(other_world)
+    with pytest.raises(ValueError, match="fingerprint differs across ranks"):
+        DBuffer(different if rank == 0 else good)
+    with pytest.raises(ValueError, match="fingerprint differs across ranks"):
+        DBuffer(good, compute_dtype=torch.bfloat16 if rank == 0 else None)
+    with pytest.raises(TypeError, match="dtype: dtype torch.int32 is not supported"):
+        DBuffer(good, dtype=torch.int32)
+    # A local error on one rank only: every rank raises, naming that rank.
+    with pytest.raises(TypeError, match="rank 1: TypeError: compute_dtype"):
+        DBuffer(good, compute_dtype=torch.float64 if rank == 1 else None)
+    with pytest.raises(ValueError, match="requires_grad names tensors not in the plan"):
+        DBuffer(good, requires_grad=["nope"])
+    tensors = full_tensors(good, 0)
+    if rank == 0:
+        tensors.pop(next(iter(tensors)))
+    with pytest.raises(ValueError, match="missing"):
+        DBuffer.from_tensors(tensors, good)
+
+    buf = DBuffer.from_tensors(full_tensors(good, 0), good)
+    with pytest.raises(KeyError, match="not in this DBuffer"):
+        buf.local_view("nope")
+    with pytest.raises(ValueError, match="op must be"):
+        buf.reduce_scatter("max")  # type: ignore[arg-type]
+    # The group is still usable: every rank left every check at the same collective.
+    buf.all_gather()
+    return all(torch.equal(buf.unsharded_view(n), t) for n, t in full_tensors(good, 0).items())
+
+
+def test_errors_raise_on_every_rank(ranks) -> None:
+    rng = random.Random(3)
+    good = random_plan(rng, 3)
+    different = random_plan(rng, 3)
+    while different.fingerprint() == good.fingerprint():
+        different = random_plan(rng, 3)
+    plans = {"good": good, "other_world": random_plan(rng, 2), "different": different}
+    assert ranks.run(3, _error_cases, plans) == [True, True, True]
