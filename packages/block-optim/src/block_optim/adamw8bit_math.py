@@ -1,0 +1,220 @@
+"""AdamW's per-element update in fp32, written as plain torch ops (the reference for the Triton
+kernel and the CPU path of :class:`block_optim.AdamW8bit`).
+
+Every operation here is one correctly rounded IEEE fp32 operation (multiply, add, divide,
+square root; see :func:`_sqrt_rn`) on tensors or on fp32 scalars prepared once per step by :class:`AdamWScalars`.
+No fused multiply-add and no ``alpha=``/``value=`` forms, whose vectorised and scalar code
+paths may round differently: the result of each element depends on that element alone, never
+on where it sits in a vector loop. That is what makes a shard's update bit-identical to the
+same elements updated in the whole tensor, and the Triton kernel (which performs the same
+sequence) bit-identical to this module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from block_optim.quantization import BLOCK_SIZE, dequantize_blockwise, num_blocks, quantize_blockwise
+
+
+_CHUNK_ELEMENTS = 1 << 16
+"""Elements the CPU path updates at a time (whole blocks), to keep its temporaries in cache."""
+
+
+@dataclass(frozen=True)
+class AdamWScalars:
+    """The step-dependent scalars of one AdamW step (computed in float64 once, used as fp32).
+
+    Attributes:
+        beta1: first-moment decay.
+        one_minus_beta1: ``1 - beta1``.
+        beta2: second-moment decay.
+        one_minus_beta2: ``1 - beta2``.
+        step_size: ``lr / (1 - beta1 ** step)``.
+        inv_bias_correction2_sqrt: ``1 / sqrt(1 - beta2 ** step)``.
+        eps: added to the denominator after bias correction (as in ``torch.optim.AdamW``).
+        decay: decoupled weight-decay factor ``1 - lr * weight_decay``.
+    """
+
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    step_size: float
+    inv_bias_correction2_sqrt: float
+    eps: float
+    decay: float
+
+    @classmethod
+    def for_step(
+        cls, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
+    ) -> AdamWScalars:
+        """Scalars for update number ``step`` (1-based).
+
+        Args:
+            lr: learning rate.
+            beta1: first-moment decay.
+            beta2: second-moment decay.
+            eps: denominator epsilon.
+            weight_decay: decoupled weight decay.
+            step: the step being taken, counted from 1.
+
+        Returns:
+            The scalars of that step.
+        """
+        return cls(
+            beta1=beta1,
+            one_minus_beta1=1.0 - beta1,
+            beta2=beta2,
+            one_minus_beta2=1.0 - beta2,
+            step_size=lr / (1.0 - beta1**step),
+            inv_bias_correction2_sqrt=1.0 / math.sqrt(1.0 - beta2**step),
+            eps=eps,
+            decay=1.0 - lr * weight_decay,
+        )
+
+
+def _sqrt_rn(values: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root.
+
+    torch's vectorised fp32 ``sqrt`` on CPU is not always correctly rounded (measured: it
+    differs from IEEE ``sqrt`` in ~17% of Adam second-moment values), and its scalar tail
+    loop is, so a result could depend on an element's position in the vector loop. The square
+    root of an fp32 value taken in float64 and rounded once to fp32 is the correctly rounded
+    fp32 root (float64 has more than 2 * 24 + 2 bits), which is what Triton's ``sqrt_rn`` gives.
+    """
+    return torch.sqrt(values.double()).float()
+
+
+def adamw_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    s: AdamWScalars,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One AdamW step on fp32 tensors of equal shape; returns new ``(param, exp_avg, exp_avg_sq)``.
+
+    Args:
+        param: fp32 parameter values.
+        grad: fp32 gradient.
+        exp_avg: fp32 first moment before the step.
+        exp_avg_sq: fp32 second moment before the step.
+        s: the step's scalars.
+
+    Returns:
+        The updated parameter and moments (new tensors).
+    """
+    exp_avg = exp_avg * s.beta1 + grad * s.one_minus_beta1
+    exp_avg_sq = exp_avg_sq * s.beta2 + (grad * grad) * s.one_minus_beta2
+    denom = _sqrt_rn(exp_avg_sq) * s.inv_bias_correction2_sqrt + s.eps
+    param = param * s.decay - (exp_avg / denom) * s.step_size
+    return param, exp_avg, exp_avg_sq
+
+
+@torch.no_grad()
+def adamw_fp32_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    s: AdamWScalars,
+) -> None:
+    """In-place AdamW step with fp32 moments (the path for tensors too small to quantize).
+
+    Args:
+        param: parameter (any float dtype), updated in place.
+        grad: its gradient, same shape.
+        exp_avg: fp32 first moment, same number of elements, updated in place.
+        exp_avg_sq: fp32 second moment, updated in place.
+        s: the step's scalars.
+    """
+    new_p, new_m, new_v = adamw_update(
+        param.reshape(-1).float(),
+        grad.reshape(-1).float(),
+        exp_avg.reshape(-1),
+        exp_avg_sq.reshape(-1),
+        s,
+    )
+    param.copy_(new_p.view(param.shape))
+    exp_avg.copy_(new_m.view(exp_avg.shape))
+    exp_avg_sq.copy_(new_v.view(exp_avg_sq.shape))
+
+
+@torch.no_grad()
+def adamw8bit_step_torch_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_absmax: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_absmax: torch.Tensor,
+    signed_map: torch.Tensor,
+    unsigned_map: torch.Tensor,
+    s: AdamWScalars,
+    block_size: int = BLOCK_SIZE,
+) -> None:
+    """Dequantize both moments, take one fp32 AdamW step, requantize: all in place.
+
+    The parameter is updated with the fp32 moments before requantization (as in bitsandbytes).
+
+    Args:
+        param: parameter (any float dtype), updated in place; flattened into blocks.
+        grad: its gradient.
+        m_codes: 1-D uint8 first-moment codes (signed map).
+        m_absmax: fp32 first-moment scales, one per block.
+        v_codes: 1-D uint8 second-moment codes (unsigned map).
+        v_absmax: fp32 second-moment scales.
+        signed_map: the signed 256-entry map.
+        unsigned_map: the unsigned 256-entry map.
+        s: the step's scalars.
+        block_size: elements per quantization block.
+    """
+    if not param.is_contiguous():
+        flat = param.reshape(-1).clone()
+        adamw8bit_step_torch_(flat, grad, m_codes, m_absmax, v_codes, v_absmax, signed_map,
+                              unsigned_map, s, block_size)
+        param.copy_(flat.view(param.shape))
+        return
+    flat_p, flat_g = param.view(-1), grad.reshape(-1)
+    # Whole blocks at a time, so the temporaries stay in cache (the result is elementwise and
+    # per block, hence the same bits as one pass over the tensor).
+    chunk = max(block_size, _CHUNK_ELEMENTS // block_size * block_size)
+    for start in range(0, flat_p.numel(), chunk):
+        end = min(start + chunk, flat_p.numel())
+        blocks = slice(start // block_size, num_blocks(end, block_size))
+        _step_chunk(flat_p[start:end], flat_g[start:end], m_codes[start:end], m_absmax[blocks],
+                    v_codes[start:end], v_absmax[blocks], signed_map, unsigned_map, s, block_size)
+
+
+def _step_chunk(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_absmax: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_absmax: torch.Tensor,
+    signed_map: torch.Tensor,
+    unsigned_map: torch.Tensor,
+    s: AdamWScalars,
+    block_size: int,
+) -> None:
+    """:func:`adamw8bit_step_torch_` on whole blocks of 1-D views, written back in place."""
+    new_p, new_m, new_v = adamw_update(
+        param.float(),
+        grad.float(),
+        dequantize_blockwise(m_codes, m_absmax, signed_map, block_size),
+        dequantize_blockwise(v_codes, v_absmax, unsigned_map, block_size),
+        s,
+    )
+    param.copy_(new_p)
+    for values, qmap, codes, absmax in (
+        (new_m, signed_map, m_codes, m_absmax),
+        (new_v, unsigned_map, v_codes, v_absmax),
+    ):
+        new_codes, new_absmax = quantize_blockwise(values, qmap, block_size)
+        codes.copy_(new_codes)
+        absmax.copy_(new_absmax)

@@ -1,0 +1,253 @@
+"""Muon: momentum orthogonalized by Newton-Schulz, exact on sharded parameters.
+
+Each matrix's update is orthogonalized whole, on one owner rank (see
+:mod:`block_optim.matrix_owners`), so a sharded run computes what a single device computes.
+0-D and 1-D parameters, and groups with ``use_muon=False`` (embeddings, the output head), are
+stepped by an internal AdamW with its own hyper-parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from block_optim import adam_math
+from block_optim.matrix_owners import MatrixPiece
+from block_optim.matrix_scheduler import MatrixScheduler
+from block_optim.newton_schulz import DEFAULT_EPS, DEFAULT_STEPS, QUINTIC, newton_schulz, newton_schulz_flops
+from block_optim.param_state import check_matrix_rank, local, named_params, zeros_like_param
+
+SCALINGS = ("original", "match_rms_adamw")
+
+
+def update_scale(rows: int, cols: int, scaling: str) -> float:
+    """The factor on the learning rate for a ``rows x cols`` matrix.
+
+    ``"original"`` (Keller Jordan): ``max(1, rows / cols) ** 0.5``; ``"match_rms_adamw"``
+    (Moonshot): ``0.2 * sqrt(max(rows, cols))``, which gives the update AdamW's typical RMS so
+    AdamW's learning rate and weight decay carry over.
+
+    Args:
+        rows: Matrix rows.
+        cols: Matrix columns.
+        scaling: ``"original"`` or ``"match_rms_adamw"``.
+
+    Returns:
+        The scale.
+    """
+    if scaling == "original":
+        return max(1.0, rows / cols) ** 0.5
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+def _unit(param: torch.Tensor) -> int:
+    if param.ndim == 3:
+        return param.shape[1] * param.shape[2]
+    if param.ndim == 2:
+        return param.shape[1]
+    return 1
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    checks = [
+        ("lr", group["lr"] >= 0, "must be >= 0"),
+        ("momentum", 0 <= group["momentum"] < 1, "must be in [0, 1)"),
+        ("weight_decay", group["weight_decay"] >= 0, "must be >= 0"),
+        ("ns_steps", isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1, "must be an int >= 1"),
+        ("ns_coefficients", len(group["ns_coefficients"]) == 3, "must be three floats (a, b, c)"),
+        ("eps", group["eps"] > 0, "must be > 0"),
+        ("ns_dtype", isinstance(group["ns_dtype"], torch.dtype) and group["ns_dtype"].is_floating_point,
+         "must be a floating torch.dtype"),
+        ("scaling", group["scaling"] in SCALINGS, f"must be one of {SCALINGS}"),
+        ("use_muon", group["use_muon"] in (None, True, False), "must be None, True or False"),
+        ("adamw_lr", group["adamw_lr"] >= 0, "must be >= 0"),
+        ("adamw_betas", len(group["adamw_betas"]) == 2 and all(0 <= b < 1 for b in group["adamw_betas"]),
+         "must be two floats in [0, 1)"),
+        ("adamw_eps", group["adamw_eps"] > 0, "must be > 0"),
+        ("adamw_weight_decay", group["adamw_weight_decay"] >= 0, "must be >= 0"),
+    ]
+    for name, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"Muon: {name} {rule}, got {group[name]!r}")
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (momentum orthogonalized by Newton-Schulz) for plain and sharded parameters.
+
+    Per matrix ``W`` with gradient ``G``: ``B <- momentum * B + (1 - momentum) * G``;
+    ``U = G + momentum * (B - G)`` (Nesterov) or ``U = B``; ``O = NS5(U)``;
+    ``W <- W * (1 - lr * weight_decay) - lr * scale(rows, cols) * O``. A 3-D parameter
+    ``[E, rows, cols]`` is ``E`` matrices. Parameters may be plain tensors or DTensors with a
+    ``RaggedShard``, ``Shard`` or ``Replicate`` placement on a 1-D mesh; each whole matrix is
+    orthogonalized on one owner rank and the results equal a single-device run.
+
+    Args:
+        params: Parameters or parameter groups (``named_parameters()`` gives names in errors).
+            A group may set ``use_muon=False`` to send all its parameters to the internal AdamW.
+        lr: Learning rate of the Muon update.
+        momentum: Momentum coefficient of the EMA, in ``[0, 1)``.
+        nesterov: Use Nesterov momentum.
+        weight_decay: Decoupled weight decay of Muon parameters.
+        ns_steps: Newton-Schulz iterations.
+        ns_coefficients: The quintic's ``(a, b, c)``.
+        eps: Added to the Frobenius norm before normalising.
+        ns_dtype: The dtype Newton-Schulz runs in (bf16 as in the reference; fp32 for exactness).
+        scaling: ``"original"`` or ``"match_rms_adamw"`` (see :func:`update_scale`).
+        adamw_lr: Learning rate of the internal AdamW.
+        adamw_betas: Its ``(beta1, beta2)``.
+        adamw_eps: Its epsilon.
+        adamw_weight_decay: Its decoupled weight decay.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.1,
+        *,
+        ns_steps: int = DEFAULT_STEPS,
+        ns_coefficients: Sequence[float] = QUINTIC,
+        eps: float = DEFAULT_EPS,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        scaling: str = "original",
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.01,
+    ) -> None:
+        defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), eps=eps, ns_dtype=ns_dtype,
+            scaling=scaling, use_muon=None, adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas),
+            adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
+        )
+        super().__init__(params, defaults)
+        self._scheduler = MatrixScheduler(
+            "Muon", _unit, lambda param: None,
+            lambda piece: newton_schulz_flops(piece.rows, piece.cols, DEFAULT_STEPS),
+        )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after checking its hyper-parameters and parameter ranks.
+
+        Args:
+            param_group: The group (``params`` plus any hyper-parameter overrides).
+
+        Raises:
+            ValueError: On a hyper-parameter out of range or a parameter of 4+ dimensions.
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_group(group)
+        g = len(self.param_groups) - 1
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            check_matrix_rank(p, names[i] if names else f"group{g}.param{i}", "Muon")
+
+    @staticmethod
+    def unit_policy(**hyperparameters: Any) -> Callable[[str, torch.Tensor], int]:
+        """The unit (in elements) fsdp's planner must not cut, per parameter.
+
+        One expert (``rows * cols``) of a 3-D stack, so whole experts stay on one rank and are
+        orthogonalized there with no communication; one row of a 2-D matrix (whole matrices
+        are moved to their owner anyway, so finer cuts cost nothing extra); 1 otherwise.
+
+        Args:
+            **hyperparameters: Muon's constructor arguments; accepted so a config can be
+                passed through, the unit does not depend on them.
+
+        Returns:
+            ``policy(name, param) -> unit``.
+        """
+        del hyperparameters
+        return lambda name, param: _unit(param)
+
+    def uses_muon(self, group: dict[str, Any], param: torch.Tensor) -> bool:
+        """Whether ``param`` of ``group`` gets the Muon update (else the internal AdamW).
+
+        Args:
+            group: A parameter group of this optimizer.
+            param: One of its parameters.
+
+        Returns:
+            True for 2-D and 3-D parameters of groups without ``use_muon=False``.
+        """
+        return group["use_muon"] is not False and param.ndim >= 2
+
+    def init_state(self) -> None:
+        """Create every parameter's state (zeros), e.g. before loading a checkpoint into it."""
+        for group, _, p in named_params(self.param_groups):
+            self._state_of(group, p)
+
+    def _state_of(self, group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            if self.uses_muon(group, p):
+                state["momentum_buffer"] = zeros_like_param(p)
+            else:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = zeros_like_param(p)
+                state["exp_avg_sq"] = zeros_like_param(p)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Perform one optimization step.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, if given.
+
+        Raises:
+            ValueError: On every rank, naming the parameter, if a Newton-Schulz input is not
+                finite (the step is not applied to Muon parameters then).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params, names, groups, updates = [], [], [], []
+        for group, name, p in named_params(self.param_groups):
+            if p.grad is None:
+                continue
+            state = self._state_of(group, p)
+            grad = local(p.grad)
+            if not self.uses_muon(group, p):
+                state["step"] += 1
+                adam_math.adamw_step_(
+                    local(p), grad, local(state["exp_avg"]), local(state["exp_avg_sq"]),
+                    step=int(state["step"].item()), lr=group["adamw_lr"], betas=group["adamw_betas"],
+                    eps=group["adamw_eps"], weight_decay=group["adamw_weight_decay"],
+                )
+                continue
+            buf = local(state["momentum_buffer"])
+            buf.lerp_(grad, 1 - group["momentum"])
+            params.append(p)
+            names.append(name)
+            groups.append(group)
+            updates.append([grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf])
+        if not params:
+            return loss
+
+        def orthogonalize(j: int, piece: MatrixPiece, inputs: list[torch.Tensor]) -> torch.Tensor:
+            group = groups[j]
+            return newton_schulz(
+                inputs[0], steps=group["ns_steps"], coefficients=group["ns_coefficients"],
+                eps=group["eps"], dtype=group["ns_dtype"],
+            )
+
+        orthogonal = self._scheduler.run(params, names, updates, orthogonalize, "Newton-Schulz input")
+        for p, group, update in zip(params, groups, orthogonal, strict=True):
+            rows, cols = p.shape[-2], p.shape[-1]
+            scale = update_scale(rows, cols, group["scaling"])
+            p_local = local(p)
+            p_local.mul_(1 - group["lr"] * group["weight_decay"])
+            p_local.add_(update, alpha=-group["lr"] * scale)
+        return loss

@@ -1,0 +1,332 @@
+"""Block-diagonal Shampoo with grafting, exact on sharded parameters.
+
+Each matrix is split into blocks of at most ``max_preconditioner_dim`` rows and columns. A
+block's statistics ``L += G G^T`` and ``R += G^T G`` accumulate every step; every
+``precondition_frequency`` steps from ``start_preconditioning_step`` on, the inverse fourth
+roots are refreshed (:func:`block_optim.matrix_roots.inverse_root`) and the block moves along
+``L^{-1/4} G R^{-1/4}``, rescaled to the norm of the grafting optimizer's direction for that
+block. Before preconditioning starts the grafting direction itself is used.
+
+A band of ``max_preconditioner_dim`` rows is the unit that is computed whole: with cuts on band
+boundaries (:meth:`Shampoo.unit_policy`) every band is local and no communication happens; a
+band cut by a rank boundary goes to an owner rank like Muon's matrices
+(:mod:`block_optim.matrix_owners`), which keeps its statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from block_optim import adam_math
+from block_optim.matrix_owners import MatrixPiece
+from block_optim.matrix_roots import inverse_root
+from block_optim.matrix_scheduler import MatrixScheduler
+from block_optim.param_state import check_matrix_rank, local, named_params, zeros_like_param
+
+GRAFTINGS = ("none", "sgd", "adam")
+
+
+def shampoo_unit(shape: tuple[int, ...] | torch.Size, max_preconditioner_dim: int) -> int:
+    """Elements of the unit that Shampoo computes whole, for a parameter of ``shape``.
+
+    A band of ``max_preconditioner_dim`` rows (the whole matrix when it has fewer rows). For a
+    3-D stack whose matrices do not split into whole bands, one matrix.
+
+    Args:
+        shape: The parameter's global shape.
+        max_preconditioner_dim: Shampoo's block size.
+
+    Returns:
+        The unit in elements (1 for 0-D and 1-D parameters, which are elementwise).
+    """
+    if len(shape) < 2:
+        return 1
+    rows, cols = shape[-2], shape[-1]
+    if rows <= max_preconditioner_dim or (len(shape) == 3 and rows % max_preconditioner_dim):
+        return rows * cols
+    return max_preconditioner_dim * cols
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    betas = group["betas"]
+    checks = [
+        ("lr", group["lr"] >= 0, "must be >= 0"),
+        ("betas", len(betas) == 2 and all(0 <= b < 1 for b in betas), "must be two floats in [0, 1)"),
+        ("eps", group["eps"] > 0, "must be > 0"),
+        ("weight_decay", group["weight_decay"] >= 0, "must be >= 0"),
+        ("max_preconditioner_dim", isinstance(group["max_preconditioner_dim"], int)
+         and group["max_preconditioner_dim"] >= 1, "must be an int >= 1"),
+        ("precondition_frequency", isinstance(group["precondition_frequency"], int)
+         and group["precondition_frequency"] >= 1, "must be an int >= 1"),
+        ("start_preconditioning_step", isinstance(group["start_preconditioning_step"], int)
+         and group["start_preconditioning_step"] >= 1, "must be an int >= 1"),
+        ("epsilon", group["epsilon"] >= 0, "must be >= 0"),
+        ("grafting", group["grafting"] in GRAFTINGS, f"must be one of {GRAFTINGS}"),
+        ("preconditioner_dtype", group["preconditioner_dtype"] in (torch.float32, torch.float64),
+         "must be torch.float32 or torch.float64"),
+    ]
+    for name, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"Shampoo: {name} {rule}, got {group[name]!r}")
+
+
+class Shampoo(torch.optim.Optimizer):
+    """Block-diagonal Shampoo with Adam/SGD grafting for plain and sharded parameters.
+
+    A 3-D parameter ``[E, rows, cols]`` is ``E`` matrices; 0-D and 1-D parameters take the
+    grafting optimizer's step (SGD for ``grafting="none"``). Parameters may be plain tensors or
+    DTensors with ``RaggedShard``, ``Shard`` or ``Replicate`` placements on a 1-D mesh; results
+    equal a single-device run.
+
+    Args:
+        params: Parameters or parameter groups (``named_parameters()`` gives names in errors).
+        lr: Learning rate.
+        betas: Adam grafting's ``(beta1, beta2)``.
+        eps: Adam grafting's epsilon.
+        weight_decay: Decoupled weight decay.
+        max_preconditioner_dim: Block size per dimension.
+        precondition_frequency: Steps between inverse-root refreshes.
+        start_preconditioning_step: First step (from 1) that uses the preconditioner.
+        epsilon: Added to the statistics' diagonal before the eigendecomposition.
+        grafting: ``"adam"``, ``"sgd"`` or ``"none"``: whose per-block norm the preconditioned
+            direction takes.
+        preconditioner_dtype: dtype of the statistics and roots (float32 or float64).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        max_preconditioner_dim: int = 1024,
+        precondition_frequency: int = 10,
+        start_preconditioning_step: int = 10,
+        epsilon: float = 1e-12,
+        grafting: str = "adam",
+        preconditioner_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+            max_preconditioner_dim=max_preconditioner_dim, precondition_frequency=precondition_frequency,
+            start_preconditioning_step=start_preconditioning_step, epsilon=epsilon, grafting=grafting,
+            preconditioner_dtype=preconditioner_dtype,
+        )
+        super().__init__(params, defaults)
+        self._scheduler = MatrixScheduler(
+            "Shampoo",
+            lambda p: shampoo_unit(p.shape, self._group_of(p)["max_preconditioner_dim"]),
+            lambda p: self._group_of(p)["max_preconditioner_dim"],
+            lambda piece: float(piece.numel * (piece.rows + piece.cols)),
+        )
+        self._loading: dict[int, Any] = {}
+        self.register_load_state_dict_pre_hook(Shampoo._stash_preconditioners)
+        self.register_load_state_dict_post_hook(Shampoo._restore_preconditioners)
+
+    @staticmethod
+    def _stash_preconditioners(optimizer: Shampoo, state_dict: dict[str, Any]) -> None:
+        """``load_state_dict`` casts every floating state tensor to its parameter's dtype;
+        statistics kept in float64 (``preconditioner_dtype``) must not lose precision, so they
+        bypass the cast."""
+        optimizer._loading = {
+            index: state["preconditioners"]
+            for index, state in state_dict["state"].items()
+            if "preconditioners" in state
+        }
+
+    @staticmethod
+    def _restore_preconditioners(optimizer: Shampoo) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, blocks in optimizer._loading.items():
+            optimizer.state[params[index]]["preconditioners"] = blocks
+        optimizer._loading = {}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after checking its hyper-parameters and parameter ranks.
+
+        Args:
+            param_group: The group (``params`` plus any hyper-parameter overrides).
+
+        Raises:
+            ValueError: On a hyper-parameter out of range or a parameter of 4+ dimensions.
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_group(group)
+        g = len(self.param_groups) - 1
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            check_matrix_rank(p, names[i] if names else f"group{g}.param{i}", "Shampoo")
+
+    def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
+        return next(g for g in self.param_groups if any(p is param for p in g["params"]))
+
+    @staticmethod
+    def unit_policy(max_preconditioner_dim: int = 1024) -> Callable[[str, torch.Tensor], int]:
+        """The unit (in elements) fsdp's planner must not cut, per parameter.
+
+        Args:
+            max_preconditioner_dim: The block size the optimizer will use.
+
+        Returns:
+            ``policy(name, param) -> unit`` (see :func:`shampoo_unit`).
+        """
+        return lambda name, param: shampoo_unit(param.shape, max_preconditioner_dim)
+
+    def init_state(self) -> None:
+        """Create every parameter's state (zeros), e.g. before loading a checkpoint into it.
+
+        Preconditioner blocks are created on the rank that owns them under this layout, so a
+        DCP checkpoint saved under another world size loads each block where it is now used.
+        """
+        for group, _, p in named_params(self.param_groups):
+            self._state_of(group, p)
+        params, names, groups = self._matrix_params()
+        for j, piece in self._scheduler.owned_pieces(params, names):
+            blocks = self.state[params[j]]["preconditioners"]
+            dim = groups[j]["max_preconditioner_dim"]
+            for c0 in range(0, piece.cols, dim):
+                blocks[f"{piece.index}.{c0 // dim}"] = _new_block(
+                    piece.rows, min(piece.cols, c0 + dim) - c0, groups[j]["preconditioner_dtype"], params[j]
+                )
+
+    def _state_of(self, group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            if group["grafting"] == "adam":
+                state["exp_avg"] = zeros_like_param(p)
+                state["exp_avg_sq"] = zeros_like_param(p)
+            if p.ndim >= 2:
+                state["preconditioners"] = {}
+        return state
+
+    def _matrix_params(self) -> tuple[list[torch.Tensor], list[str], list[dict[str, Any]]]:
+        """Every 2-D and 3-D parameter, in a fixed order: owners are planned over all of them
+        once, so a block's statistics never change rank when some gradient is missing."""
+        found = [(p, n, g) for g, n, p in named_params(self.param_groups) if p.ndim >= 2]
+        return [f[0] for f in found], [f[1] for f in found], [f[2] for f in found]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Perform one optimization step.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, if given.
+
+        Raises:
+            ValueError: On every rank, naming the parameter, if a gradient block is not finite.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        steps: dict[int, int] = {}
+        grafts: dict[int, torch.Tensor] = {}
+        for group, _, p in named_params(self.param_groups):
+            if p.grad is None:
+                continue
+            state = self._state_of(group, p)
+            state["step"] += 1
+            steps[id(p)] = int(state["step"].item())
+            grad = local(p.grad)
+            graft = grad
+            if group["grafting"] == "adam":
+                direction, scale = adam_math.adam_direction_(
+                    grad, local(state["exp_avg"]), local(state["exp_avg_sq"]),
+                    step=steps[id(p)], betas=group["betas"], eps=group["eps"],
+                )
+                graft = direction.mul_(scale)
+            if p.ndim < 2:
+                _apply(p, graft, group)
+            grafts[id(p)] = graft
+        params, names, groups = self._matrix_params()
+        active = [id(p) in steps for p in params]
+        if not any(active):
+            return loss
+        channels = []
+        for p, on in zip(params, active, strict=True):
+            if on:
+                channels.append([local(p.grad), grafts[id(p)]])
+            else:
+                zeros = torch.zeros_like(local(p))
+                channels.append([zeros, zeros])
+
+        def precondition(j: int, piece: MatrixPiece, inputs: list[torch.Tensor]) -> torch.Tensor:
+            if not active[j]:
+                return torch.zeros_like(inputs[0])
+            return _precondition_band(
+                self.state[params[j]]["preconditioners"], piece, inputs[0], inputs[1], groups[j],
+                steps[id(params[j])], params[j],
+            )
+
+        directions = self._scheduler.run(params, names, channels, precondition, "gradient")
+        for p, group, direction, on in zip(params, groups, directions, active, strict=True):
+            if on:
+                _apply(p, direction, group)
+        return loss
+
+
+def _apply(p: torch.Tensor, direction: torch.Tensor, group: dict[str, Any]) -> None:
+    p_local = local(p)
+    p_local.mul_(1 - group["lr"] * group["weight_decay"])
+    p_local.add_(direction, alpha=-group["lr"])
+
+
+def _new_block(rows: int, cols: int, dtype: torch.dtype, like: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Zero statistics and roots of one ``rows x cols`` block (roots are set at the first
+    refresh, which is always the step preconditioning starts)."""
+    device = like.device
+
+    def zeros(n: int) -> torch.Tensor:
+        return torch.zeros(n, n, dtype=dtype, device=device)
+
+    return {"left": zeros(rows), "right": zeros(cols), "left_root": zeros(rows), "right_root": zeros(cols)}
+
+
+def _precondition_band(
+    blocks: dict[str, dict[str, torch.Tensor]],
+    piece: MatrixPiece,
+    grad: torch.Tensor,
+    graft: torch.Tensor,
+    group: dict[str, Any],
+    step: int,
+    param: torch.Tensor,
+) -> torch.Tensor:
+    """Shampoo's direction for one band of rows, block by block of columns (owner only)."""
+    dim, dtype = group["max_preconditioner_dim"], group["preconditioner_dtype"]
+    start = group["start_preconditioning_step"]
+    started = step >= start
+    refresh = started and (step - start) % group["precondition_frequency"] == 0
+    out = torch.empty_like(grad)
+    for c0 in range(0, piece.cols, dim):
+        c1 = min(piece.cols, c0 + dim)
+        g = grad[:, c0:c1].to(dtype)
+        key = f"{piece.index}.{c0 // dim}"
+        if key not in blocks:
+            blocks[key] = _new_block(g.shape[0], g.shape[1], dtype, param)
+        block = blocks[key]
+        block["left"].addmm_(g, g.mT)
+        block["right"].addmm_(g.mT, g)
+        if refresh:
+            block["left_root"] = inverse_root(block["left"], 4, group["epsilon"])
+            block["right_root"] = inverse_root(block["right"], 4, group["epsilon"])
+        if not started:
+            out[:, c0:c1] = graft[:, c0:c1]
+            continue
+        direction = block["left_root"] @ g @ block["right_root"]
+        if group["grafting"] != "none":
+            norm = torch.linalg.matrix_norm(direction)
+            target = torch.linalg.matrix_norm(graft[:, c0:c1].to(dtype))
+            # No host sync: a zero direction (a zero gradient block) stays zero.
+            direction = direction * torch.where(norm > 0, target / norm, torch.zeros_like(norm))
+        out[:, c0:c1] = direction.to(out.dtype)
+    return out
