@@ -1,1 +1,25 @@
-"""ragged_dtensor (skeleton; filled by its own issue)."""
+"""RaggedShard: a DTensor placement of whole, unevenly distributed units.
+
+Importing this package installs the DTensor extension points that make the placement
+first-class (redistribution, sharding propagation, checkpoint hooks); installing is
+idempotent.
+"""
+
+from ragged_dtensor import autograd_hooks, checkpoint, propagation, redistribute
+from ragged_dtensor.api import distribute_tensor, local_shaped
+from ragged_dtensor.consensus import raise_on_any_rank
+from ragged_dtensor.placement import RaggedShard
+from ragged_dtensor.redistribute import redistribute_many
+
+redistribute.install()
+autograd_hooks.install()
+propagation.install()
+checkpoint.install()
+
+__all__ = [
+    "RaggedShard",
+    "distribute_tensor",
+    "local_shaped",
+    "raise_on_any_rank",
+    "redistribute_many",
+]

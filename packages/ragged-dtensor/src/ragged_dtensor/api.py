@@ -1,0 +1,108 @@
+"""User-facing constructors and views for RaggedShard DTensors.
+
+torch's ``distribute_tensor`` rejects placements it does not know, so
+:func:`distribute_tensor` distributes with ``Replicate`` in place of each ``RaggedShard`` and
+then cuts the ragged run locally (no extra communication).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement
+
+from ragged_dtensor import ragged_math
+from ragged_dtensor.placement import RaggedShard
+from ragged_dtensor.redistribute import redistribute_ragged_local_tensor
+
+
+def distribute_tensor(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    """``torch.distributed.tensor.distribute_tensor`` that also accepts ``RaggedShard``.
+
+    Without a ``RaggedShard`` this is torch's function. With one, torch distributes the tensor
+    with ``Replicate`` in its place (broadcasting from ``src_data_rank`` as torch does) and each
+    rank keeps its ragged run, a contiguous copy. The result is a leaf whose ``requires_grad``
+    follows ``tensor``.
+
+    Args:
+        tensor: the full tensor (the same on every rank unless ``src_data_rank`` broadcasts).
+        device_mesh: the mesh (default: torch's default mesh).
+        placements: one placement per mesh dim (default: torch's default, all Replicate).
+        src_data_rank: rank whose data is used, as in torch; ``None`` uses each rank's own.
+
+    Returns:
+        The distributed tensor.
+
+    Raises:
+        ValueError: if a RaggedShard does not fit the shape or its mesh dimension (raised on
+            every rank alike, since every rank checks the same global facts).
+    """
+    if placements is None or not any(isinstance(p, RaggedShard) for p in placements):
+        return torch_distribute_tensor(
+            tensor, device_mesh, placements, src_data_rank=src_data_rank
+        )
+    if device_mesh is None:
+        raise ValueError("distribute_tensor with a RaggedShard placement needs a device_mesh")
+    placements = tuple(placements)
+    if len(placements) != device_mesh.ndim:
+        raise ValueError(
+            f"distribute_tensor: {len(placements)} placements for a {device_mesh.ndim}-D mesh"
+        )
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, RaggedShard):
+            placement.check(tuple(tensor.shape), device_mesh.size(dim))
+    stand_in = [Replicate() if isinstance(p, RaggedShard) else p for p in placements]
+    replicated = torch_distribute_tensor(
+        tensor.detach(), device_mesh, stand_in, src_data_rank=src_data_rank
+    )
+    target = DTensorSpec(
+        device_mesh,
+        placements,
+        tensor_meta=TensorMeta(tensor.shape, tensor.stride(), tensor.dtype),
+    )
+    local = redistribute_ragged_local_tensor(replicated._local_tensor, replicated._spec, target)
+    return DTensor(local, target, requires_grad=tensor.requires_grad)
+
+
+def local_shaped(dtensor: DTensor) -> torch.Tensor:
+    """The local tensor, shaped: a RaggedShard run as ``(prefix rows, *shape[k:])``.
+
+    A RaggedShard local tensor is a flat run of whole prefix rows (``k = len(dims)``); this
+    views it with the suffix dims restored, e.g. ``(rows, in_features)`` for a weight sharded
+    over ``dims=(0,)``. Other placements' local tensors are returned as they are. The view is
+    differentiable like ``to_local``.
+
+    Args:
+        dtensor: a DTensor.
+
+    Returns:
+        A view of ``dtensor.to_local()``.
+
+    Raises:
+        ValueError: if the local tensor's size is not whole prefix rows.
+    """
+    local = dtensor.to_local()
+    ragged = [(dim, p) for dim, p in enumerate(dtensor.placements) if isinstance(p, RaggedShard)]
+    if not ragged:
+        return local
+    (mesh_dim, placement), shape = ragged[0], tuple(dtensor.shape)
+    k = len(placement.dims)
+    coord = dtensor.device_mesh.get_local_rank(mesh_dim)
+    rows = ragged_math.unit_rows(shape, k, placement.local_units) * placement.local_units[coord]
+    if local.numel() != rows * ragged_math.row_numel(shape, k):
+        raise ValueError(
+            f"local tensor of {local.numel()} elements on mesh coordinate {coord} is not the "
+            f"{rows} rows of {shape[k:]} that {placement} gives it"
+        )
+    return local.view(rows, *shape[k:])

@@ -1,0 +1,259 @@
+"""Full reductions of RaggedShard DTensors: norms, max/min and mean as partial results.
+
+A reduction over all elements of a RaggedShard tensor is the reduction of the per-rank
+reductions of its 1-D local runs, so each rank computes its local value and the output is a
+``Partial`` DTensor (``_NormPartial(p)`` for p-norms, ``Partial("max")`` for ``max`` and the
+inf-norm, ``Partial("sum")`` for ``mean``). These ops go through DTensor's custom-op handlers
+rather than the sharding propagator for two reasons: reductions without an identity
+(``max``, ``min``, ``amax``, the ±inf-norms) raise on an empty local run, and a rank holding
+zero units would then leave the others waiting in the reduction's collective, so the handler
+substitutes the identity itself; and the right partial placement depends on ``ord``, a
+non-tensor argument that DTensor's native cache does not key on for every op.
+
+Anything else (a reduction over some dims, ``keepdim=True``, a negative finite ``ord``, a
+non-ragged input) is passed on to DTensor's ordinary dispatch, which gathers a ragged input
+through :mod:`ragged_dtensor.propagation`. Since these handlers see every DTensor, they also
+give an empty local ``Shard`` (torch splits dims unevenly) the identity of ``max``/``min``/the
+±inf-norms, which torch alone would raise on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._ops._math_ops import _NormPartial
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
+
+from ragged_dtensor.placement import RaggedShard
+
+aten = torch.ops.aten
+
+Handler = Callable[[torch._ops.OpOverload, tuple[object, ...], dict[str, object]], object]
+
+_NOT_HANDLED = object()
+
+
+def _is_ragged_dtensor(x: object) -> bool:
+    return isinstance(x, DTensor) and any(isinstance(p, RaggedShard) for p in x.placements)
+
+
+def dispatch_default(
+    op_call: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
+) -> object:
+    """Run ``op_call`` through DTensor's ordinary (Python) dispatch path.
+
+    Used for the calls a custom handler does not take: propagation (with the ragged plans),
+    redistribution of the inputs, the local op, and wrapping of the outputs.
+    """
+    dispatcher = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    dispatcher.sharding_propagator.propagate(op_info)
+    local_results = dispatcher._dispatch_get_local_results_slow_path(op_call, args, op_info)
+    assert op_info.output_sharding is not None
+    return dispatcher.wrap(local_results, op_info.output_sharding.output_spec)
+
+
+def dispatch_with_identity(
+    op_call: torch._ops.OpOverload,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+    identity: Callable[[torch.dtype], float | int | bool],
+) -> object:
+    """DTensor's ordinary dispatch of a full reduction without an identity, except that a rank
+    whose local tensor is empty (an uneven ``Shard``, for instance) returns ``identity(dtype)``
+    as its partial result instead of raising while its peers wait in the collective."""
+    x = args[0]
+    if isinstance(x, DTensor) and x._local_tensor.numel() == 0:
+        dispatcher = DTensor._op_dispatcher
+        op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+        dispatcher.sharding_propagator.propagate(op_info)
+        sharding = op_info.output_sharding
+        assert sharding is not None
+        spec = sharding.output_spec
+        if (not sharding.needs_redistribute and isinstance(spec, DTensorSpec)
+                and spec.tensor_meta is not None and spec.tensor_meta.shape == torch.Size([])):
+            dtype = spec.tensor_meta.dtype
+            local = torch.full((), identity(dtype), dtype=dtype, device=x._local_tensor.device)
+            return dispatcher.wrap(local, spec)
+    return dispatch_default(op_call, args, kwargs)
+
+
+def _partial_placements(x: DTensor, partial: Placement) -> tuple[Placement, ...] | None:
+    """Output placements of a full reduction: ``partial`` on the ragged mesh dim, Replicate
+    elsewhere; ``None`` if another mesh dim is not Replicate (no local rule for it)."""
+    out: list[Placement] = []
+    for p in x.placements:
+        if isinstance(p, RaggedShard):
+            out.append(partial)
+        elif isinstance(p, Replicate):
+            out.append(p)
+        else:
+            return None
+    return tuple(out)
+
+
+def _wrap_scalar(local: torch.Tensor, x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+    meta = TensorMeta(shape=torch.Size([]), stride=(), dtype=local.dtype)
+    spec = DTensorSpec(x.device_mesh, placements, tensor_meta=meta)
+    return DTensor._op_dispatcher.wrap(local, spec)  # type: ignore[return-value]
+
+
+def _extreme(dtype: torch.dtype, largest: bool) -> float | int | bool:
+    """The identity of ``min`` (largest value) or of ``max`` (smallest value) for ``dtype``."""
+    if dtype == torch.bool:
+        return largest
+    if dtype.is_floating_point:
+        return math.inf if largest else -math.inf
+    info = torch.iinfo(dtype)
+    return info.max if largest else info.min
+
+
+def _norm_partial(ord: float) -> Placement | None:
+    if ord == math.inf:
+        return Partial("max")
+    if ord == -math.inf:
+        return Partial("min")
+    if ord == 0:
+        return Partial("sum")
+    if ord > 0:
+        return _NormPartial(ord)
+    return None
+
+
+def _local_vector_norm(local: torch.Tensor, ord: float, dtype: torch.dtype | None) -> torch.Tensor:
+    """``vector_norm`` of a local run; the ±inf-norms of an empty run give their identity."""
+    if local.numel() == 0 and math.isinf(ord):
+        out_dtype = dtype or local.abs().dtype
+        return torch.full((), 0.0 if ord > 0 else math.inf, dtype=out_dtype, device=local.device)
+    return torch.linalg.vector_norm(local, ord, dtype=dtype)
+
+
+def _vector_norm(x: DTensor, ord: float, dim: object, keepdim: bool, dtype: torch.dtype | None
+                 ) -> object:
+    if dim not in (None, [], ()) or keepdim:
+        return _NOT_HANDLED
+    partial = _norm_partial(float(ord))
+    placements = None if partial is None else _partial_placements(x, partial)
+    if placements is None:
+        return _NOT_HANDLED
+    return _wrap_scalar(_local_vector_norm(x._local_tensor, float(ord), dtype), x, placements)
+
+
+def vector_norm_handler(
+    op_call: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
+) -> object:
+    """``aten.linalg_vector_norm.default`` over all elements of a RaggedShard DTensor."""
+    x, *rest = args
+    if _is_ragged_dtensor(x):
+        names = ("ord", "dim", "keepdim")
+        params = {"ord": 2, "dim": None, "keepdim": False, **dict(zip(names, rest)), **kwargs}
+        out = _vector_norm(x, params["ord"], params["dim"], params["keepdim"],
+                           params.get("dtype"))
+        if out is not _NOT_HANDLED:
+            return out
+    ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+    if math.isinf(ord):
+        return dispatch_with_identity(op_call, args, kwargs, lambda _: 0.0 if ord > 0 else math.inf)
+    return dispatch_default(op_call, args, kwargs)
+
+
+def _local_extreme(local: torch.Tensor, largest: bool) -> torch.Tensor:
+    if local.numel() == 0:
+        return torch.full((), _extreme(local.dtype, not largest), dtype=local.dtype,
+                          device=local.device)
+    return local.max() if largest else local.min()
+
+
+def extreme_handler(
+    op_call: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
+) -> object:
+    """``max``/``min`` (and ``amax``/``amin`` over all dims) of a RaggedShard DTensor."""
+    x = args[0]
+    if _is_ragged_dtensor(x):
+        largest = op_call in (aten.max.default, aten.amax.default)
+        full = True
+        if op_call in (aten.amax.default, aten.amin.default):
+            dim = list(args[1]) if len(args) > 1 else list(kwargs.get("dim", []))
+            keepdim = bool(args[2]) if len(args) > 2 else bool(kwargs.get("keepdim", False))
+            ndim = x.ndim
+            full = not keepdim and (not dim or sorted(d % ndim for d in dim) == list(range(ndim)))
+        placements = _partial_placements(x, Partial("max" if largest else "min"))
+        if full and placements is not None:
+            return _wrap_scalar(_local_extreme(x._local_tensor, largest), x, placements)
+    largest = op_call in (aten.max.default, aten.amax.default)
+    return dispatch_with_identity(op_call, args, kwargs, lambda dtype: _extreme(dtype, not largest))
+
+
+def mean_handler(
+    op_call: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
+) -> object:
+    """``mean`` of all elements: local sums divided by the global numel, summed as a Partial."""
+    x = args[0]
+    dtype = kwargs.get("dtype")
+    if _is_ragged_dtensor(x) and (dtype or x.dtype).is_floating_point:
+        placements = _partial_placements(x, Partial("sum"))
+        if placements is not None:
+            local = x._local_tensor.sum(dtype=dtype) / x.numel()
+            return _wrap_scalar(local, x, placements)
+    return dispatch_default(op_call, args, kwargs)
+
+
+def foreach_norm_handler(
+    op_call: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
+) -> object:
+    """``_foreach_norm`` over a list mixing RaggedShard and other DTensors.
+
+    Ragged tensors take the vector-norm path above (zero-unit ranks included), and so does every
+    tensor of an inf-norm list that holds an empty local tensor; the others go through one
+    ``_foreach_norm`` call on DTensor's ordinary path.
+    """
+    tensors: Sequence[object] = args[0]  # type: ignore[assignment]
+    ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+
+    def alone(t: object) -> bool:
+        return _is_ragged_dtensor(t) or (
+            math.isinf(float(ord)) and isinstance(t, DTensor) and t._local_tensor.numel() == 0
+        )
+
+    if not any(alone(t) for t in tensors):
+        return dispatch_default(op_call, args, kwargs)
+    others = [t for t in tensors if not alone(t)]
+    other_norms = iter(aten._foreach_norm.Scalar(others, ord, dtype=dtype) if others else [])
+    return [
+        aten.linalg_vector_norm.default(t, ord, dtype=dtype) if alone(t) else next(other_norms)
+        for t in tensors
+    ]
+
+
+HANDLERS: dict[Any, Handler] = {
+    aten.linalg_vector_norm.default: vector_norm_handler,
+    aten.max.default: extreme_handler,
+    aten.min.default: extreme_handler,
+    aten.amax.default: extreme_handler,
+    aten.amin.default: extreme_handler,
+    aten.mean.default: mean_handler,
+    aten._foreach_norm.Scalar: foreach_norm_handler,
+}
+
+
+def install() -> None:
+    """Register the reduction handlers in DTensor's custom-op table (idempotent).
+
+    Raises:
+        RuntimeError: if torch already has its own handler for one of these ops (a newer
+            torch would need this module revisited rather than silently overridden).
+    """
+    table = DTensor._op_dispatcher._custom_op_handlers
+    for op, handler in HANDLERS.items():
+        current = table.get(op)
+        if current is handler:
+            continue
+        if current is not None:
+            raise RuntimeError(f"DTensor already has a custom handler for {op}: {current}")
+        table[op] = handler

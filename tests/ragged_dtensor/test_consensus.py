@@ -1,0 +1,76 @@
+"""raise_on_any_rank: one rank's error is raised on every rank, naming the rank; and a RaggedShard
+DTensor with a wrong local size fails on every rank inside the redistribution's own collective
+instead of leaving the other ranks waiting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from ragged_dtensor import RaggedShard, raise_on_any_rank, redistribute_many
+from tests.harness import device_mesh
+
+
+class CustomError(ValueError):
+    pass
+
+
+def consensus_case(failing: list[int]) -> list[str]:
+    rank = dist.get_rank()
+    messages = []
+    raise_on_any_rank(None)  # the happy path returns on every rank
+    error = CustomError(f"bad input on {rank}") if rank in failing else None
+    with pytest.raises(CustomError) as info:
+        raise_on_any_rank(error)
+    messages.append(str(info.value))
+    if rank in failing:
+        assert info.value.__cause__ is error
+    # an exception type that cannot be built from a message falls back to RuntimeError
+    error = UnicodeDecodeError("utf-8", b"x", 0, 1, "boom") if rank == failing[0] else None
+    with pytest.raises(RuntimeError, match="boom"):
+        raise_on_any_rank(error)
+    return messages
+
+
+def wrong_size_case(mode: str) -> str:
+    mesh = device_mesh(dist.get_world_size())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    placement = RaggedShard((0,), [1] * world)
+    numel = 3 + (rank == world - 1)  # the last rank holds one element too many
+    dt = DTensor.from_local(torch.ones(numel), mesh, [placement], shape=(world * 3,),
+                            stride=(1,), run_check=False)
+    with pytest.raises(ValueError) as info:
+        if mode == "full_tensor":
+            dt.full_tensor()
+        elif mode == "ragged":
+            dt.redistribute(mesh, [RaggedShard((0,), [world] + [0] * (world - 1))])
+        else:
+            good = DTensor.from_local(torch.ones(2), mesh, [placement], shape=(world * 2,),
+                                      stride=(1,), run_check=False)
+            redistribute_many([good, dt], [[Replicate()], [Replicate()]])
+    return str(info.value)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_raise_on_any_rank_raises_everywhere(ranks, world: int) -> None:
+    failing = [0] if world == 1 else [1, 2]
+    results = ranks.run(world, consensus_case, failing)
+    for messages in results:
+        for r in failing:
+            assert f"rank {r}: CustomError: bad input on {r}" in messages[0]
+    assert len(set(m[0] for m in results)) == 1
+
+
+def test_raise_on_any_rank_without_process_group() -> None:
+    raise_on_any_rank(None)
+    with pytest.raises(KeyError):
+        raise_on_any_rank(KeyError("x"))
+
+
+@pytest.mark.parametrize("mode", ["full_tensor", "ragged", "many"])
+def test_wrong_local_size_fails_on_every_rank(ranks, mode: str) -> None:
+    messages = ranks.run(3, wrong_size_case, mode)
+    for message in messages:
+        assert "on rank 2 has 4 elements" in message and "gives that rank 3" in message
