@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "layout-planner.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
+from tests.docs_pages import exec_source, python_blocks
+
+PAGE = "layout-planner.md"
+BLOCKS = python_blocks(PAGE)
 
 
 def test_page_has_examples() -> None:
@@ -17,4 +16,4 @@ def test_page_has_examples() -> None:
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_example_runs(index: int) -> None:
-    exec(compile(BLOCKS[index], f"{PAGE.name}[{index}]", "exec"), {"__name__": "__docs__"})
+    exec_source(BLOCKS[index], f"{PAGE}[{index}]")

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
+from tests.docs_pages import exec_source, python_blocks
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "ragged-dtensor.md"
-
-
-def python_blocks(text: str) -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
-
-
-def run_page(source: str) -> bool:
-    namespace: dict = {"__name__": "ragged_dtensor_docs"}
-    exec(compile(source, str(PAGE), "exec"), namespace)
-    return True
+PAGE = "ragged-dtensor.md"
 
 
 def test_docs_examples_run_on_four_ranks(ranks) -> None:
-    blocks = python_blocks(PAGE.read_text())
+    blocks = python_blocks(PAGE)
     assert len(blocks) >= 8
-    assert ranks.run(4, run_page, "\n".join(blocks)) == [True] * 4
+    assert ranks.run(4, exec_source, "\n".join(blocks), PAGE) == [True] * 4
