@@ -11,7 +11,7 @@ import torch
 
 from block_optim import AdamW8bit
 from block_optim.adamw8bit_kernels import HAS_TRITON, adamw8bit_step_triton_
-from block_optim.adamw8bit_math import AdamWScalars, adamw8bit_step_torch_
+from block_optim.adamw8bit_math import AdamWScalars, QuantizedMoments, adamw8bit_step_torch_
 from block_optim.quantization import dequantize_blockwise, dynamic_map, quantize_blockwise
 
 STEPS = 50
@@ -165,8 +165,8 @@ def test_triton_kernel_equals_torch_path_bitwise(numel: int) -> None:
         g = torch.randn(numel) * 1e-2
         s = AdamWScalars.for_step(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                                   weight_decay=1e-2, step=step)
-        adamw8bit_step_torch_(torch_state[0], g, *torch_state[1:], signed, unsigned, s)
-        adamw8bit_step_triton_(triton_state[0], g, *triton_state[1:], signed, unsigned, s,
+        adamw8bit_step_torch_(torch_state[0], g, QuantizedMoments(*torch_state[1:], signed, unsigned), s)
+        adamw8bit_step_triton_(triton_state[0], g, QuantizedMoments(*triton_state[1:], signed, unsigned), s,
                                blocks_per_program=128)
         for ours, ref in zip(triton_state, torch_state):
             assert torch.equal(ours, ref)
@@ -260,8 +260,8 @@ def test_cpu_path_in_chunks_equals_one_pass() -> None:
     g = torch.randn(numel) * 1e-2
     s = AdamWScalars.for_step(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                               step=2)
-    adamw8bit_step_torch_(state[0], g, *state[1:], signed, unsigned, s)
-    _step_chunk(whole[0], g, *whole[1:], signed, unsigned, s, 256)
+    adamw8bit_step_torch_(state[0], g, QuantizedMoments(*state[1:], signed, unsigned), s)
+    _step_chunk(whole[0], g, QuantizedMoments(*whole[1:], signed, unsigned, 256), s)
     assert all(torch.equal(a, b) for a, b in zip(state, whole))
     strided = torch.randn(60, 100).t()                     # non-contiguous (100, 60)
     flat = strided.reshape(-1).clone()
@@ -269,6 +269,6 @@ def test_cpu_path_in_chunks_equals_one_pass() -> None:
              *quantize_blockwise(torch.zeros(6000), unsigned)]
     codes_copy = [c.clone() for c in codes]
     g2 = torch.randn(100, 60)
-    adamw8bit_step_torch_(strided, g2, *codes, signed, unsigned, s)
-    _step_chunk(flat, g2.reshape(-1), *codes_copy, signed, unsigned, s, 256)
+    adamw8bit_step_torch_(strided, g2, QuantizedMoments(*codes, signed, unsigned), s)
+    _step_chunk(flat, g2.reshape(-1), QuantizedMoments(*codes_copy, signed, unsigned, 256), s)
     assert torch.equal(strided.reshape(-1), flat)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from block_optim.matrix_owners import FlatLayout, MatrixPiece, imbalance, matrix_pieces, plan_owners
+from block_optim.flat_layouts import FlatLayout
+from block_optim.matrix_owners import MatrixPiece, imbalance, matrix_pieces, plan_owners
 
 
 def test_matrix_pieces_of_matrices_stacks_and_bands() -> None:

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from tests.block_optim.matrix_cases import (
+    ShardedRun,
     assemble,
     checkpoint_case,
     non_finite_case,
     step_sharded,
     step_sharded_many,
     step_single,
+    unsynced_non_finite_case,
 )
 
 SHAPES = {
@@ -60,7 +62,7 @@ KWARGS = {"lr": 0.05, "weight_decay": 0.1, "ns_dtype": torch.float32, "adamw_lr"
 def test_sharded_equals_single_device_bitwise(ranks, world: int) -> None:
     # Three random layouts per world size (uneven, zero-unit ranks), one round trip.
     draws = [(draw(10 * world + k, 5), draw_layouts(world, 100 * world + k)) for k in range(3)]
-    cases = [("Muon", world, NAMES, fulls, list(layouts.values()), grads, KWARGS, GROUPS)
+    cases = [(ShardedRun("Muon", world, NAMES, fulls, list(layouts.values()), KWARGS, GROUPS), grads)
              for (fulls, grads), layouts in draws]
     results = ranks.run(world, step_sharded_many, cases)
     for k, ((fulls, grads), layouts) in enumerate(draws):
@@ -79,27 +81,59 @@ def test_collectives_per_step(ranks) -> None:
     layouts = draw_layouts(world, 7)
     layouts["wq"] = ("ragged", 1, (8, 8, 8))
     layouts["experts_whole"] = ("ragged", 1, (2, 2, 2))
-    results = ranks.run(world, step_sharded, "Muon", world, NAMES, fulls, list(layouts.values()), grads,
-                        KWARGS, GROUPS)
+    # Every flat-readable placement (cut, whole, Shard(0), Replicate, a use_muon=False group):
+    # one all-to-all each way and nothing else, seen by both counters.
+    keep = [i for i, name in enumerate(NAMES) if name != "w_shard1"]
+    groups = [{"params": list(range(len(keep) - 1))}, {"params": [len(keep) - 1], "use_muon": False}]
+    assert NAMES[keep[-1]] == "emb"
+    run = ShardedRun("Muon", world, [NAMES[i] for i in keep], [fulls[i] for i in keep],
+                     [layouts[NAMES[i]] for i in keep], KWARGS, groups)
+    results = ranks.run(world, step_sharded, run, [[g[i] for i in keep] for g in grads])
     for counts in results[0]["counts"]:
-        assert counts["all_to_all_single"] == 2, counts  # one each way
-        assert sum(counts.values()) == 2, counts
-    # Only 3-D stacks, every expert whole on one rank (one rank holds none): no all-to-all.
+        assert counts["calls"] == {"all_to_all_single": 2}, counts
+        assert counts["comm"] == {"c10d.alltoall_base_": 2}, counts
+    # Shard(1) is not flat-contiguous: the update is gathered with DTensor's functional
+    # all-gather (invisible to a torch.distributed wrapper), then, replicated, its result
+    # comes back in the return all-to-all; with a cut matrix beside it, both all-to-alls run.
+    pair = [NAMES.index("w_shard1"), NAMES.index("wq")]
+    run = ShardedRun("Muon", world, [NAMES[i] for i in pair], [fulls[i] for i in pair],
+                     [layouts[NAMES[i]] for i in pair], KWARGS)
+    results = ranks.run(world, step_sharded, run, [[g[i] for i in pair] for g in grads])
+    for counts in results[0]["counts"]:
+        assert counts["calls"] == {"all_to_all_single": 2}, counts
+        assert counts["comm"] == {"c10d.alltoall_base_": 2, "c10d_functional.all_gather_into_tensor": 1}, counts
+    # Only 3-D stacks, every expert whole on one rank (one rank holds none): no all-to-all;
+    # by default one 1-element all-reduce agrees on the non-finite check, and with
+    # sync_nonfinite_check=False nothing at all is issued.
     stacks = {"a": (6, 10, 8), "b": (3, 4, 4)}
     stack_layouts = [("ragged", 1, (4, 0, 2)), ("ragged", 1, (1, 1, 1))]
     gen = torch.Generator().manual_seed(0)
     stack_fulls = [torch.randn(s, generator=gen) for s in stacks.values()]
     stack_grads = [[torch.randn(s, generator=gen) for s in stacks.values()] for _ in range(2)]
-    results = ranks.run(world, step_sharded, "Muon", world, list(stacks), stack_fulls, stack_layouts,
-                        stack_grads, KWARGS)
     expected = step_single("Muon", list(stacks), stack_fulls, stack_grads, KWARGS)
-    for counts in results[0]["counts"]:
-        assert counts["all_to_all_single"] == 0, counts
-        assert counts["all_reduce"] == 1, counts  # the non-finite consensus flag only
-    for i, name in enumerate(stacks):
-        got = assemble([r["locals"][i] for r in results], stacks[name], stack_layouts[i])
-        assert torch.equal(got, expected[i])
-    assert results[0]["warnings"] == []
+    unsynced = {**KWARGS, "sync_nonfinite_check": False}
+    results = ranks.run(world, step_sharded_many, [
+        (ShardedRun("Muon", world, list(stacks), stack_fulls, stack_layouts, KWARGS), stack_grads),
+        (ShardedRun("Muon", world, list(stacks), stack_fulls, stack_layouts, unsynced), stack_grads),
+    ])
+    for counts in results[0][0]["counts"]:
+        assert counts["calls"] == {"all_reduce": 1} and counts["numels"] == {"all_reduce": [1]}, counts
+        assert counts["comm"] == {"c10d.allreduce_": 1}, counts
+    for counts in results[0][1]["counts"]:
+        assert counts == {"calls": {}, "numels": {}, "comm": {}}, counts
+    for k in range(2):
+        for i, name in enumerate(stacks):
+            got = assemble([r[k]["locals"][i] for r in results], stacks[name], stack_layouts[i])
+            assert torch.equal(got, expected[i]), (k, name)
+        assert results[0][k]["warnings"] == []
+
+
+def test_unsynced_non_finite_check_raises_on_the_finding_rank_only(ranks) -> None:
+    results = ranks.run(3, unsynced_non_finite_case, 3, ("ragged", 1, (2, 0, 4)), 2)
+    assert [r["message"] is None for r in results] == [True, True, False]
+    assert "Newton-Schulz input of parameter 'experts'" in results[2]["message"]
+    for r in results:
+        assert all(c == {"calls": {}, "numels": {}, "comm": {}} for c in r["counts"]), r["counts"]
 
 
 @pytest.mark.parametrize(
@@ -121,9 +155,10 @@ def test_checkpoint_reloads_under_another_world_size(ranks, tmp_path) -> None:
     kwargs = {"lr": 0.05, "ns_dtype": torch.float32}
     save_layouts = [("ragged", 1, (5, 0, 4, 3)), ("ragged", 2, (7, 9, 8, 0)), ("shard", 0)]
     load_layouts = [("ragged", 1, (2, 10)), ("ragged", 1, (3, 1)), ("ragged", 1, (0, 8))]
-    ranks.run(4, checkpoint_case, "Muon", 4, str(tmp_path), True, names, fulls, save_layouts, grads[:3], kwargs)
-    results = ranks.run(2, checkpoint_case, "Muon", 2, str(tmp_path), False, names, fulls, load_layouts, grads[3:],
-                        kwargs)
+    ranks.run(4, checkpoint_case, ShardedRun("Muon", 4, names, fulls, save_layouts, kwargs), str(tmp_path), True,
+              grads[:3])
+    results = ranks.run(2, checkpoint_case, ShardedRun("Muon", 2, names, fulls, load_layouts, kwargs), str(tmp_path),
+                        False, grads[3:])
     expected = step_single("Muon", names, fulls, grads, kwargs)
     for i, shape in enumerate(shapes):
         got = assemble([r[i] for r in results], shape, load_layouts[i])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.block_optim.matrix_cases import (
+    ShardedRun,
     assemble,
     checkpoint_case,
     non_finite_case,
@@ -49,7 +50,7 @@ def test_sharded_equals_single_device_bitwise(ranks, world: int) -> None:
         fulls = [torch.randn(s, generator=gen) for s in SHAPES.values()]
         grads = [[torch.randn(s, generator=gen) for s in SHAPES.values()] for _ in range(5)]
         draws.append((fulls, grads, draw_layouts(world, 200 * world + k)))
-    cases = [("Shampoo", world, NAMES, fulls, list(layouts.values()), grads, KWARGS)
+    cases = [(ShardedRun("Shampoo", world, NAMES, fulls, list(layouts.values()), KWARGS), grads)
              for fulls, grads, layouts in draws]
     results = ranks.run(world, step_sharded_many, cases)
     for k, (fulls, grads, layouts) in enumerate(draws):
@@ -65,10 +66,11 @@ def test_aligned_bands_need_no_all_to_all(ranks) -> None:
     gen = torch.Generator().manual_seed(9)
     fulls = [torch.randn(s, generator=gen) for s in shapes.values()]
     grads = [[torch.randn(s, generator=gen) for s in shapes.values()] for _ in range(3)]
-    results = ranks.run(3, step_sharded, "Shampoo", 3, list(shapes), fulls, layouts, grads, KWARGS)
+    results = ranks.run(3, step_sharded, ShardedRun("Shampoo", 3, list(shapes), fulls, layouts, KWARGS), grads)
     expected = step_single("Shampoo", list(shapes), fulls, grads, KWARGS)
-    for counts in results[0]["counts"]:
-        assert counts["all_to_all_single"] == 0, counts
+    for counts in results[0]["counts"]:  # no all-to-all; the non-finite consensus flag only
+        assert counts["calls"] == {"all_reduce": 1} and counts["numels"] == {"all_reduce": [1]}, counts
+        assert counts["comm"] == {"c10d.allreduce_": 1}, counts
     for i, name in enumerate(shapes):
         assert torch.equal(assemble([r["locals"][i] for r in results], shapes[name], layouts[i]), expected[i])
     assert results[0]["warnings"] == []
@@ -80,8 +82,9 @@ def test_cut_band_warns_once_and_is_moved(ranks) -> None:
     gen = torch.Generator().manual_seed(10)
     fulls = [torch.randn(10, 7, generator=gen)]
     grads = [[torch.randn(10, 7, generator=gen)] for _ in range(3)]
-    results = ranks.run(3, step_sharded, "Shampoo", 3, list(shapes), fulls, layouts, grads, KWARGS)
-    assert [c["all_to_all_single"] for c in results[0]["counts"]] == [2, 2, 2]
+    results = ranks.run(3, step_sharded, ShardedRun("Shampoo", 3, list(shapes), fulls, layouts, KWARGS), grads)
+    assert [c["calls"] for c in results[0]["counts"]] == [{"all_to_all_single": 2}] * 3
+    assert [c["comm"] for c in results[0]["counts"]] == [{"c10d.alltoall_base_": 2}] * 3
     assert len(results[0]["warnings"]) == 1 and "'band_cut'" in results[0]["warnings"][0]
     expected = step_single("Shampoo", list(shapes), fulls, grads, KWARGS)
     assert torch.equal(assemble([r["locals"][0] for r in results], (10, 7), layouts[0]), expected[0])
@@ -104,10 +107,10 @@ def test_checkpoint_reloads_under_another_world_size(ranks, tmp_path, layouts) -
     gen = torch.Generator().manual_seed(12)
     fulls = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(5)]
-    ranks.run(4, checkpoint_case, "Shampoo", 4, str(tmp_path), True, names, fulls, save_layouts, grads[:3],
-              KWARGS)
-    results = ranks.run(2, checkpoint_case, "Shampoo", 2, str(tmp_path), False, names, fulls, load_layouts,
-                        grads[3:], KWARGS)
+    ranks.run(4, checkpoint_case, ShardedRun("Shampoo", 4, names, fulls, save_layouts, KWARGS), str(tmp_path), True,
+              grads[:3])
+    results = ranks.run(2, checkpoint_case, ShardedRun("Shampoo", 2, names, fulls, load_layouts, KWARGS),
+                        str(tmp_path), False, grads[3:])
     expected = step_single("Shampoo", names, fulls, grads, KWARGS)
     for i, shape in enumerate(shapes):
         got = assemble([r[i] for r in results], shape, load_layouts[i])

@@ -12,8 +12,30 @@ import math
 import torch
 
 
-def adam_direction_(
+def adam_moments(
     grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    betas: tuple[float, float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adam's moments after one step, out of place (the old ones are left as they are, so a
+    step that fails later can be abandoned).
+
+    Args:
+        grad: The gradient.
+        exp_avg: First moment before the step.
+        exp_avg_sq: Second moment before the step.
+        betas: ``(beta1, beta2)``.
+
+    Returns:
+        ``(exp_avg, exp_avg_sq)`` after the step (new tensors).
+    """
+    beta1, beta2 = betas
+    return exp_avg.lerp(grad, 1 - beta1), exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
+
+
+def adam_direction(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     *,
@@ -21,12 +43,11 @@ def adam_direction_(
     betas: tuple[float, float],
     eps: float,
 ) -> tuple[torch.Tensor, float]:
-    """Update Adam's moments in place and return the un-scaled direction.
+    """Adam's un-scaled direction from the moments of step ``step``.
 
     Args:
-        grad: The gradient.
-        exp_avg: First moment, updated in place.
-        exp_avg_sq: Second moment, updated in place.
+        exp_avg: First moment after the step.
+        exp_avg_sq: Second moment after the step.
         step: The step number, from 1 (bias correction).
         betas: ``(beta1, beta2)``.
         eps: Added to the bias-corrected square root.
@@ -37,8 +58,6 @@ def adam_direction_(
         ``scale = 1 / (1 - beta1^t)`` (kept apart, as torch does, for bit-equal results).
     """
     beta1, beta2 = betas
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
     return exp_avg / denom, 1 / (1 - beta1**step)
 
@@ -69,5 +88,8 @@ def adamw_step_(
         weight_decay: Decoupled weight decay.
     """
     param.mul_(1 - lr * weight_decay)
-    direction, scale = adam_direction_(grad, exp_avg, exp_avg_sq, step=step, betas=betas, eps=eps)
+    new_avg, new_avg_sq = adam_moments(grad, exp_avg, exp_avg_sq, betas=betas)
+    exp_avg.copy_(new_avg)
+    exp_avg_sq.copy_(new_avg_sq)
+    direction, scale = adam_direction(exp_avg, exp_avg_sq, step=step, betas=betas, eps=eps)
     param.add_(direction, alpha=-lr * scale)

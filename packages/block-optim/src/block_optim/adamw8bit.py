@@ -30,9 +30,9 @@ from torch.distributed.tensor.placement_types import Placement
 from ragged_dtensor import RaggedShard, raise_on_any_rank, redistribute_many
 
 from block_optim.adamw8bit_kernels import adamw8bit_step_
-from block_optim.adamw8bit_math import AdamWScalars, adamw_fp32_step_
+from block_optim.adamw8bit_math import AdamWScalars, QuantizedMoments, adamw_fp32_step_
 from block_optim.alignment import aligned_cuts, cuts_on_units, placements_for, warn_once
-from block_optim.param_state import local, named_params, zeros_like_param
+from block_optim.param_state import check_hyperparameters, local, named_params, zeros_like_param
 from block_optim.quantization import BLOCK_SIZE, dynamic_map, num_blocks, quantize_blockwise
 
 MIN_8BIT_NUMEL = 4096
@@ -71,9 +71,7 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
         ("eps", group["eps"] > 0, "must be > 0"),
         ("weight_decay", group["weight_decay"] >= 0, "must be >= 0"),
     ]
-    for name, ok, rule in checks:
-        if not ok:
-            raise ValueError(f"AdamW8bit: {name} {rule}, got {group[name]!r}")
+    check_hyperparameters("AdamW8bit", group, checks)
 
 
 def _flat_placements(
@@ -286,12 +284,12 @@ class AdamW8bit(torch.optim.Optimizer):
             adamw_fp32_step_(p, g, local(state["exp_avg"]), local(state["exp_avg_sq"]), scalars)
             return
         signed, unsigned = self._maps_on(p.device)
-        adamw8bit_step_(
-            p, g,
+        moments = QuantizedMoments(
             local(state["exp_avg_codes"]), local(state["exp_avg_absmax"]),
             local(state["exp_avg_sq_codes"]), local(state["exp_avg_sq_absmax"]),
-            signed, unsigned, scalars, self.block_size,
+            signed, unsigned, self.block_size,
         )
+        adamw8bit_step_(p, g, moments, scalars)
 
     @staticmethod
     def _redistribute(tensors: list[DTensor], targets: list[tuple[Placement, ...]]) -> list[DTensor]:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from block_optim.adamw8bit_math import AdamWScalars, adamw8bit_step_torch_
-from block_optim.quantization import BLOCK_SIZE, code_midpoints, num_blocks
+from block_optim.adamw8bit_math import AdamWScalars, QuantizedMoments, adamw8bit_step_torch_
+from block_optim.quantization import code_midpoints, num_blocks
 
 try:
     import triton
@@ -101,14 +101,8 @@ def _fp32_scalar(value: float) -> float:
 def adamw8bit_step_triton_(
     param: torch.Tensor,
     grad: torch.Tensor,
-    m_codes: torch.Tensor,
-    m_absmax: torch.Tensor,
-    v_codes: torch.Tensor,
-    v_absmax: torch.Tensor,
-    signed_map: torch.Tensor,
-    unsigned_map: torch.Tensor,
+    moments: QuantizedMoments,
     s: AdamWScalars,
-    block_size: int = BLOCK_SIZE,
     *,
     blocks_per_program: int = 8,
 ) -> None:
@@ -118,14 +112,8 @@ def adamw8bit_step_triton_(
     Args:
         param: contiguous parameter, updated in place.
         grad: its gradient (any float dtype, same number of elements).
-        m_codes: contiguous 1-D uint8 first-moment codes.
-        m_absmax: fp32 first-moment scales, one per 256-element block.
-        v_codes: contiguous 1-D uint8 second-moment codes.
-        v_absmax: fp32 second-moment scales.
-        signed_map: the signed 256-entry map.
-        unsigned_map: the unsigned 256-entry map.
+        moments: its quantized moments (contiguous codes), updated in place.
         s: the step's scalars.
-        block_size: elements per quantization block (a power of two).
         blocks_per_program: quantization blocks per Triton program (a power of two).
     """
     if not HAS_TRITON:
@@ -133,61 +121,43 @@ def adamw8bit_step_triton_(
     numel = param.numel()
     if numel == 0:
         return
-    for name, tensor in (("param", param), ("grad", grad), ("m_codes", m_codes),
-                         ("v_codes", v_codes)):
+    q = moments
+    for name, tensor in (("param", param), ("grad", grad), ("m_codes", q.m_codes),
+                         ("v_codes", q.v_codes)):
         if not tensor.is_contiguous():
             raise ValueError(f"adamw8bit_step_triton_: {name} must be contiguous")
-    grid = (triton.cdiv(num_blocks(numel, block_size), blocks_per_program),)
+    grid = (triton.cdiv(num_blocks(numel, q.block_size), blocks_per_program),)
     _adamw8bit_kernel[grid](
         param,
         grad,
-        m_codes,
-        m_absmax,
-        v_codes,
-        v_absmax,
-        signed_map,
-        code_midpoints(signed_map),
-        unsigned_map,
-        code_midpoints(unsigned_map),
+        q.m_codes,
+        q.m_absmax,
+        q.v_codes,
+        q.v_absmax,
+        q.signed_map,
+        code_midpoints(q.signed_map),
+        q.unsigned_map,
+        code_midpoints(q.unsigned_map),
         numel,
         *(_fp32_scalar(x) for x in (s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2,
                                      s.step_size, s.inv_bias_correction2_sqrt, s.eps, s.decay)),
-        QBLOCK=block_size,
+        QBLOCK=q.block_size,
         BLOCKS_PER_PROGRAM=blocks_per_program,
         enable_fp_fusion=False,
     )
 
 
-def adamw8bit_step_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    m_codes: torch.Tensor,
-    m_absmax: torch.Tensor,
-    v_codes: torch.Tensor,
-    v_absmax: torch.Tensor,
-    signed_map: torch.Tensor,
-    unsigned_map: torch.Tensor,
-    s: AdamWScalars,
-    block_size: int = BLOCK_SIZE,
-) -> None:
+def adamw8bit_step_(param: torch.Tensor, grad: torch.Tensor, moments: QuantizedMoments, s: AdamWScalars) -> None:
     """The fused 8-bit AdamW step: Triton on CUDA tensors when Triton is installed, the torch
     path otherwise. Arguments as :func:`adamw8bit_step_triton_`.
 
     Args:
         param: parameter, updated in place.
         grad: its gradient.
-        m_codes: 1-D uint8 first-moment codes.
-        m_absmax: fp32 first-moment scales.
-        v_codes: 1-D uint8 second-moment codes.
-        v_absmax: fp32 second-moment scales.
-        signed_map: the signed map.
-        unsigned_map: the unsigned map.
+        moments: its quantized moments, updated in place.
         s: the step's scalars.
-        block_size: elements per quantization block.
     """
-    args = (param, grad, m_codes, m_absmax, v_codes, v_absmax, signed_map, unsigned_map, s,
-            block_size)
     if HAS_TRITON and param.is_cuda and param.is_contiguous() and grad.is_contiguous():
-        adamw8bit_step_triton_(*args)
+        adamw8bit_step_triton_(param, grad, moments, s)
     else:
-        adamw8bit_step_torch_(*args)
+        adamw8bit_step_torch_(param, grad, moments, s)

@@ -77,6 +77,40 @@ class AdamWScalars:
         )
 
 
+@dataclass(frozen=True)
+class QuantizedMoments:
+    """Adam's two moments of one flat tensor as 8-bit codes with one fp32 scale per block.
+
+    The fused step reads and rewrites the codes and scales in place (the tensors are the
+    optimizer's state; this record only groups them with their maps).
+
+    Attributes:
+        m_codes: contiguous 1-D uint8 first-moment codes (signed map).
+        m_absmax: fp32 first-moment scales, one per block.
+        v_codes: contiguous 1-D uint8 second-moment codes (unsigned map).
+        v_absmax: fp32 second-moment scales.
+        signed_map: the signed 256-entry map.
+        unsigned_map: the unsigned 256-entry map.
+        block_size: elements per quantization block (a power of two).
+    """
+
+    m_codes: torch.Tensor
+    m_absmax: torch.Tensor
+    v_codes: torch.Tensor
+    v_absmax: torch.Tensor
+    signed_map: torch.Tensor
+    unsigned_map: torch.Tensor
+    block_size: int = BLOCK_SIZE
+
+    def elements(self, start: int, end: int) -> QuantizedMoments:
+        """The moments of flat elements ``[start, end)`` (views; ``start`` on a block boundary)."""
+        blocks = slice(start // self.block_size, num_blocks(end, self.block_size))
+        return QuantizedMoments(
+            self.m_codes[start:end], self.m_absmax[blocks], self.v_codes[start:end], self.v_absmax[blocks],
+            self.signed_map, self.unsigned_map, self.block_size,
+        )
+
+
 def _sqrt_rn(values: torch.Tensor) -> torch.Tensor:
     """Correctly rounded fp32 square root.
 
@@ -146,16 +180,7 @@ def adamw_fp32_step_(
 
 @torch.no_grad()
 def adamw8bit_step_torch_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    m_codes: torch.Tensor,
-    m_absmax: torch.Tensor,
-    v_codes: torch.Tensor,
-    v_absmax: torch.Tensor,
-    signed_map: torch.Tensor,
-    unsigned_map: torch.Tensor,
-    s: AdamWScalars,
-    block_size: int = BLOCK_SIZE,
+    param: torch.Tensor, grad: torch.Tensor, moments: QuantizedMoments, s: AdamWScalars
 ) -> None:
     """Dequantize both moments, take one fp32 AdamW step, requantize: all in place.
 
@@ -164,57 +189,39 @@ def adamw8bit_step_torch_(
     Args:
         param: parameter (any float dtype), updated in place; flattened into blocks.
         grad: its gradient.
-        m_codes: 1-D uint8 first-moment codes (signed map).
-        m_absmax: fp32 first-moment scales, one per block.
-        v_codes: 1-D uint8 second-moment codes (unsigned map).
-        v_absmax: fp32 second-moment scales.
-        signed_map: the signed 256-entry map.
-        unsigned_map: the unsigned 256-entry map.
+        moments: its quantized moments, updated in place.
         s: the step's scalars.
-        block_size: elements per quantization block.
     """
     if not param.is_contiguous():
         flat = param.reshape(-1).clone()
-        adamw8bit_step_torch_(flat, grad, m_codes, m_absmax, v_codes, v_absmax, signed_map,
-                              unsigned_map, s, block_size)
+        adamw8bit_step_torch_(flat, grad, moments, s)
         param.copy_(flat.view(param.shape))
         return
     flat_p, flat_g = param.view(-1), grad.reshape(-1)
     # Whole blocks at a time, so the temporaries stay in cache (the result is elementwise and
     # per block, hence the same bits as one pass over the tensor).
+    block_size = moments.block_size
     chunk = max(block_size, _CHUNK_ELEMENTS // block_size * block_size)
     for start in range(0, flat_p.numel(), chunk):
         end = min(start + chunk, flat_p.numel())
-        blocks = slice(start // block_size, num_blocks(end, block_size))
-        _step_chunk(flat_p[start:end], flat_g[start:end], m_codes[start:end], m_absmax[blocks],
-                    v_codes[start:end], v_absmax[blocks], signed_map, unsigned_map, s, block_size)
+        _step_chunk(flat_p[start:end], flat_g[start:end], moments.elements(start, end), s)
 
 
-def _step_chunk(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    m_codes: torch.Tensor,
-    m_absmax: torch.Tensor,
-    v_codes: torch.Tensor,
-    v_absmax: torch.Tensor,
-    signed_map: torch.Tensor,
-    unsigned_map: torch.Tensor,
-    s: AdamWScalars,
-    block_size: int,
-) -> None:
+def _step_chunk(param: torch.Tensor, grad: torch.Tensor, moments: QuantizedMoments, s: AdamWScalars) -> None:
     """:func:`adamw8bit_step_torch_` on whole blocks of 1-D views, written back in place."""
+    q = moments
     new_p, new_m, new_v = adamw_update(
         param.float(),
         grad.float(),
-        dequantize_blockwise(m_codes, m_absmax, signed_map, block_size),
-        dequantize_blockwise(v_codes, v_absmax, unsigned_map, block_size),
+        dequantize_blockwise(q.m_codes, q.m_absmax, q.signed_map, q.block_size),
+        dequantize_blockwise(q.v_codes, q.v_absmax, q.unsigned_map, q.block_size),
         s,
     )
     param.copy_(new_p)
     for values, qmap, codes, absmax in (
-        (new_m, signed_map, m_codes, m_absmax),
-        (new_v, unsigned_map, v_codes, v_absmax),
+        (new_m, q.signed_map, q.m_codes, q.m_absmax),
+        (new_v, q.unsigned_map, q.v_codes, q.v_absmax),
     ):
-        new_codes, new_absmax = quantize_blockwise(values, qmap, block_size)
+        new_codes, new_absmax = quantize_blockwise(values, qmap, q.block_size)
         codes.copy_(new_codes)
         absmax.copy_(new_absmax)

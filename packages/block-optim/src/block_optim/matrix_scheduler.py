@@ -9,28 +9,47 @@ local tensors to and from the flat runs the plan works on.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from block_optim.alignment import cuts_on_units, warn_once
-from block_optim.matrix_owners import (
-    FlatLayout,
-    MatrixPiece,
-    OwnerPlan,
-    flat_layout,
-    from_flat,
-    matrix_pieces,
-    plan_owners,
-    run_on_owners,
-    to_flat,
-)
+from block_optim.flat_layouts import FlatLayout, flat_layout, from_flat, to_flat
+from block_optim.matrix_owners import MatrixPiece, OwnerPlan, matrix_pieces, plan_owners
+from block_optim.owner_exchange import run_on_owners
 
 PieceCompute = Callable[[int, MatrixPiece, list[torch.Tensor]], torch.Tensor]
 """``compute(param_index, piece, inputs)`` with ``param_index`` into the list given to
 :meth:`MatrixScheduler.run` and ``inputs`` the whole ``rows x cols`` input matrices."""
+
+
+@dataclass(frozen=True)
+class _CachedPlan:
+    """An owner plan with what it was made for: weak references to the parameters (an
+    ``id`` alone can be reused by a new tensor once a parameter is collected) and their
+    placements."""
+
+    params: tuple[weakref.ref[torch.Tensor], ...]
+    placements: tuple[object, ...]
+    plan: OwnerPlan
+
+    def serves(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether the plan was made for exactly these live parameters and placements."""
+        return len(params) == len(self.params) and all(
+            ref() is p for ref, p in zip(self.params, params, strict=True)
+        ) and self.placements == _placements(params)
+
+    def alive(self) -> bool:
+        """Whether every parameter it was made for still exists."""
+        return all(ref() is not None for ref in self.params)
+
+
+def _placements(params: Sequence[torch.Tensor]) -> tuple[object, ...]:
+    return tuple(getattr(p, "placements", None) for p in params)
 
 
 class MatrixScheduler:
@@ -42,7 +61,7 @@ class MatrixScheduler:
             ``unit_policy``); a layout cutting inside it gets a one-time warning.
         band_rows_of: Rows of the bands a parameter's matrices are split into (Shampoo's
             blocks), or ``None`` for whole matrices (Muon).
-        cost_of: The compute cost of one piece, used to balance owners.
+        cost_of: The compute cost of one piece of a parameter, used to balance owners.
     """
 
     def __init__(
@@ -50,13 +69,13 @@ class MatrixScheduler:
         optimizer: str,
         unit_of: Callable[[torch.Tensor], int],
         band_rows_of: Callable[[torch.Tensor], int | None],
-        cost_of: Callable[[MatrixPiece], float],
+        cost_of: Callable[[torch.Tensor, MatrixPiece], float],
     ) -> None:
         self._optimizer = optimizer
         self._unit_of = unit_of
         self._band_rows_of = band_rows_of
         self._cost_of = cost_of
-        self._plans: dict[tuple[object, ...], OwnerPlan] = {}
+        self._plans: dict[tuple[int, ...], _CachedPlan] = {}
 
     def plan_for(self, params: Sequence[torch.Tensor], names: Sequence[str]) -> OwnerPlan:
         """The (cached) owner plan for parameters that share one mesh.
@@ -68,21 +87,23 @@ class MatrixScheduler:
         Returns:
             The owner plan.
         """
-        key = tuple((id(p), getattr(p, "placements", None)) for p in params)
-        plan = self._plans.get(key)
-        if plan is None:
-            layouts = [flat_layout(p, n) for p, n in zip(params, names, strict=True)]
-            for p, name, layout in zip(params, names, layouts, strict=True):
-                self._warn_if_cut(p, name, layout)
-            pieces = [
-                piece
-                for j, p in enumerate(params)
-                for piece in matrix_pieces(j, p.shape, self._band_rows_of(p))
-            ]
-            world = params[0].device_mesh.size() if isinstance(params[0], DTensor) else 1
-            costs = [self._cost_of(piece) for piece in pieces]
-            plan = plan_owners(layouts, pieces, costs, world)
-            self._plans[key] = plan
+        key = tuple(id(p) for p in params)
+        cached = self._plans.get(key)
+        if cached is not None and cached.serves(params):
+            return cached.plan
+        layouts = [flat_layout(p, n) for p, n in zip(params, names, strict=True)]
+        for p, name, layout in zip(params, names, layouts, strict=True):
+            self._warn_if_cut(p, name, layout)
+        pieces = [
+            piece
+            for j, p in enumerate(params)
+            for piece in matrix_pieces(j, p.shape, self._band_rows_of(p))
+        ]
+        world = params[0].device_mesh.size() if isinstance(params[0], DTensor) else 1
+        costs = [self._cost_of(params[piece.param], piece) for piece in pieces]
+        plan = plan_owners(layouts, pieces, costs, world)
+        self._plans = {k: c for k, c in self._plans.items() if c.alive()}
+        self._plans[key] = _CachedPlan(tuple(weakref.ref(p) for p in params), _placements(params), plan)
         return plan
 
     def owned_pieces(
@@ -125,6 +146,8 @@ class MatrixScheduler:
         channels: Sequence[Sequence[torch.Tensor]],
         compute: PieceCompute,
         what: str,
+        *,
+        sync_nonfinite_check: bool = True,
     ) -> list[torch.Tensor]:
         """Compute every matrix of ``params`` on its owner and return local results.
 
@@ -135,6 +158,7 @@ class MatrixScheduler:
                 one is checked for non-finite values before ``compute``).
             compute: The per-matrix computation.
             what: Name of the input in the non-finite error message.
+            sync_nonfinite_check: See :func:`block_optim.owner_exchange.run_on_owners`.
 
         Returns:
             Per parameter, a local tensor in the parameter's placement.
@@ -156,7 +180,9 @@ class MatrixScheduler:
                 piece = _plan.pieces[i]
                 return compute(_members[piece.param], piece, inputs)
 
-            outputs = run_on_owners(plan, mesh, flats, local_compute, group_names, what)
+            outputs = run_on_owners(
+                plan, mesh, flats, local_compute, group_names, what, sync_nonfinite_check=sync_nonfinite_check,
+            )
             for k, j in enumerate(members):
                 results[j] = from_flat(params[j], plan.layouts[k], outputs[k])
         return [r for r in results if r is not None]

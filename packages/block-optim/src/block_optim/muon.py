@@ -18,7 +18,8 @@ from block_optim import adam_math
 from block_optim.matrix_owners import MatrixPiece
 from block_optim.matrix_scheduler import MatrixScheduler
 from block_optim.newton_schulz import DEFAULT_EPS, DEFAULT_STEPS, QUINTIC, newton_schulz, newton_schulz_flops
-from block_optim.param_state import check_matrix_rank, local, named_params, zeros_like_param
+from block_optim.param_state import Check, MatrixOptimizer, local, named_params, zeros_like_param
+from block_optim.pending_step import PendingStep
 
 SCALINGS = ("original", "match_rms_adamw")
 
@@ -51,30 +52,7 @@ def _unit(param: torch.Tensor) -> int:
     return 1
 
 
-def _check_group(group: dict[str, Any]) -> None:
-    checks = [
-        ("lr", group["lr"] >= 0, "must be >= 0"),
-        ("momentum", 0 <= group["momentum"] < 1, "must be in [0, 1)"),
-        ("weight_decay", group["weight_decay"] >= 0, "must be >= 0"),
-        ("ns_steps", isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1, "must be an int >= 1"),
-        ("ns_coefficients", len(group["ns_coefficients"]) == 3, "must be three floats (a, b, c)"),
-        ("eps", group["eps"] > 0, "must be > 0"),
-        ("ns_dtype", isinstance(group["ns_dtype"], torch.dtype) and group["ns_dtype"].is_floating_point,
-         "must be a floating torch.dtype"),
-        ("scaling", group["scaling"] in SCALINGS, f"must be one of {SCALINGS}"),
-        ("use_muon", group["use_muon"] in (None, True, False), "must be None, True or False"),
-        ("adamw_lr", group["adamw_lr"] >= 0, "must be >= 0"),
-        ("adamw_betas", len(group["adamw_betas"]) == 2 and all(0 <= b < 1 for b in group["adamw_betas"]),
-         "must be two floats in [0, 1)"),
-        ("adamw_eps", group["adamw_eps"] > 0, "must be > 0"),
-        ("adamw_weight_decay", group["adamw_weight_decay"] >= 0, "must be >= 0"),
-    ]
-    for name, ok, rule in checks:
-        if not ok:
-            raise ValueError(f"Muon: {name} {rule}, got {group[name]!r}")
-
-
-class Muon(torch.optim.Optimizer):
+class Muon(MatrixOptimizer):
     """Muon (momentum orthogonalized by Newton-Schulz) for plain and sharded parameters.
 
     Per matrix ``W`` with gradient ``G``: ``B <- momentum * B + (1 - momentum) * G``;
@@ -100,7 +78,16 @@ class Muon(torch.optim.Optimizer):
         adamw_betas: Its ``(beta1, beta2)``.
         adamw_eps: Its epsilon.
         adamw_weight_decay: Its decoupled weight decay.
+        sync_nonfinite_check: When no matrix travels in a step (every matrix lies whole on
+            one rank), agree on the non-finite check with one 1-element all-reduce so every
+            rank raises (default). ``False`` skips it: such a step issues no collective at
+            all, but a non-finite input raises only on the rank that found it, and its peers,
+            having applied the step, block in their next collective until it times out.
+            Steps where matrices travel report on every rank either way (the status rides
+            in the return all-to-all).
     """
+
+    optimizer_name = "Muon"
 
     def __init__(
         self,
@@ -119,6 +106,7 @@ class Muon(torch.optim.Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
+        sync_nonfinite_check: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
@@ -126,28 +114,39 @@ class Muon(torch.optim.Optimizer):
             scaling=scaling, use_muon=None, adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas),
             adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
         )
+        self.sync_nonfinite_check = sync_nonfinite_check
         super().__init__(params, defaults)
         self._scheduler = MatrixScheduler(
             "Muon", _unit, lambda param: None,
-            lambda piece: newton_schulz_flops(piece.rows, piece.cols, DEFAULT_STEPS),
+            lambda param, piece: newton_schulz_flops(piece.rows, piece.cols, self._group_of(param)["ns_steps"]),
         )
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group after checking its hyper-parameters and parameter ranks.
+    def group_checks(self, group: dict[str, Any]) -> list[Check]:
+        """Muon's range checks of one parameter group.
 
         Args:
-            param_group: The group (``params`` plus any hyper-parameter overrides).
+            group: The group, defaults filled in.
 
-        Raises:
-            ValueError: On a hyper-parameter out of range or a parameter of 4+ dimensions.
+        Returns:
+            Its checks.
         """
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        _check_group(group)
-        g = len(self.param_groups) - 1
-        names = group.get("param_names")
-        for i, p in enumerate(group["params"]):
-            check_matrix_rank(p, names[i] if names else f"group{g}.param{i}", "Muon")
+        return [
+            ("lr", group["lr"] >= 0, "must be >= 0"),
+            ("momentum", 0 <= group["momentum"] < 1, "must be in [0, 1)"),
+            ("weight_decay", group["weight_decay"] >= 0, "must be >= 0"),
+            ("ns_steps", isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1, "must be an int >= 1"),
+            ("ns_coefficients", len(group["ns_coefficients"]) == 3, "must be three floats (a, b, c)"),
+            ("eps", group["eps"] > 0, "must be > 0"),
+            ("ns_dtype", isinstance(group["ns_dtype"], torch.dtype) and group["ns_dtype"].is_floating_point,
+             "must be a floating torch.dtype"),
+            ("scaling", group["scaling"] in SCALINGS, f"must be one of {SCALINGS}"),
+            ("use_muon", group["use_muon"] in (None, True, False), "must be None, True or False"),
+            ("adamw_lr", group["adamw_lr"] >= 0, "must be >= 0"),
+            ("adamw_betas", len(group["adamw_betas"]) == 2 and all(0 <= b < 1 for b in group["adamw_betas"]),
+             "must be two floats in [0, 1)"),
+            ("adamw_eps", group["adamw_eps"] > 0, "must be > 0"),
+            ("adamw_weight_decay", group["adamw_weight_decay"] >= 0, "must be >= 0"),
+        ]
 
     @staticmethod
     def unit_policy(**hyperparameters: Any) -> Callable[[str, torch.Tensor], int]:
@@ -181,60 +180,34 @@ class Muon(torch.optim.Optimizer):
 
     def init_state(self) -> None:
         """Create every parameter's state (zeros), e.g. before loading a checkpoint into it."""
+        pending = PendingStep(self.state)
         for group, _, p in named_params(self.param_groups):
-            self._state_of(group, p)
+            pending.state_of(p, lambda: self._new_state(group, p))
+        pending.commit()
 
-    def _state_of(self, group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
-        state = self.state[p]
-        if not state:
-            if self.uses_muon(group, p):
-                state["momentum_buffer"] = zeros_like_param(p)
-            else:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = zeros_like_param(p)
-                state["exp_avg_sq"] = zeros_like_param(p)
-        return state
+    def _new_state(self, group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+        if self.uses_muon(group, p):
+            return {"momentum_buffer": zeros_like_param(p)}
+        return {"step": torch.tensor(0.0), "exp_avg": zeros_like_param(p), "exp_avg_sq": zeros_like_param(p)}
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Perform one optimization step.
-
-        Args:
-            closure: Re-evaluates the model and returns the loss (optional).
-
-        Returns:
-            The closure's loss, if given.
-
-        Raises:
-            ValueError: On every rank, naming the parameter, if a Newton-Schulz input is not
-                finite (the step is not applied to Muon parameters then).
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        params, names, groups, updates = [], [], [], []
+    def _step(self) -> None:
+        pending = PendingStep(self.state)
+        params, names, groups, updates, adamw = [], [], [], [], []
         for group, name, p in named_params(self.param_groups):
             if p.grad is None:
                 continue
-            state = self._state_of(group, p)
+            state = pending.state_of(p, lambda: self._new_state(group, p))
             grad = local(p.grad)
             if not self.uses_muon(group, p):
-                state["step"] += 1
-                adam_math.adamw_step_(
-                    local(p), grad, local(state["exp_avg"]), local(state["exp_avg_sq"]),
-                    step=int(state["step"].item()), lr=group["adamw_lr"], betas=group["adamw_betas"],
-                    eps=group["adamw_eps"], weight_decay=group["adamw_weight_decay"],
-                )
+                adamw.append((group, p, state))
                 continue
             buf = local(state["momentum_buffer"])
-            buf.lerp_(grad, 1 - group["momentum"])
+            new_buf = buf.lerp(grad, 1 - group["momentum"])
+            pending.copy(buf, new_buf)
             params.append(p)
             names.append(name)
             groups.append(group)
-            updates.append([grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf])
-        if not params:
-            return loss
+            updates.append([grad.lerp(new_buf, group["momentum"]) if group["nesterov"] else new_buf])
 
         def orthogonalize(j: int, piece: MatrixPiece, inputs: list[torch.Tensor]) -> torch.Tensor:
             group = groups[j]
@@ -243,11 +216,21 @@ class Muon(torch.optim.Optimizer):
                 eps=group["eps"], dtype=group["ns_dtype"],
             )
 
-        orthogonal = self._scheduler.run(params, names, updates, orthogonalize, "Newton-Schulz input")
+        orthogonal = self._scheduler.run(
+            params, names, updates, orthogonalize, "Newton-Schulz input",
+            sync_nonfinite_check=self.sync_nonfinite_check,
+        ) if params else []
+        pending.commit()
         for p, group, update in zip(params, groups, orthogonal, strict=True):
             rows, cols = p.shape[-2], p.shape[-1]
             scale = update_scale(rows, cols, group["scaling"])
             p_local = local(p)
             p_local.mul_(1 - group["lr"] * group["weight_decay"])
             p_local.add_(update, alpha=-group["lr"] * scale)
-        return loss
+        for group, p, state in adamw:
+            state["step"] += 1
+            adam_math.adamw_step_(
+                local(p), local(p.grad), local(state["exp_avg"]), local(state["exp_avg_sq"]),
+                step=int(state["step"].item()), lr=group["adamw_lr"], betas=group["adamw_betas"],
+                eps=group["adamw_eps"], weight_decay=group["adamw_weight_decay"],
+            )

@@ -1,4 +1,5 @@
-"""Optimizer state that lives in the parameter's own placement, and parameter naming.
+"""Optimizer state that lives in the parameter's own placement, parameter naming, and the
+checks every parameter group gets.
 
 Elementwise state (momentum, Adam moments) is stored as a tensor of the parameter's placement
 (a DTensor over the same mesh for a DTensor parameter), so checkpointing reshards it like the
@@ -7,7 +8,7 @@ parameter; the math itself runs on the local tensors, which never need communica
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -44,9 +45,104 @@ def named_params(param_groups: list[Mapping[str, Any]]) -> Iterator[tuple[Mappin
     """``(group, name, param)`` for every parameter; names from ``named_parameters()`` when the
     optimizer was built with them, else ``"group{g}.param{i}"``."""
     for g, group in enumerate(param_groups):
-        names = group.get("param_names")
-        for i, p in enumerate(group["params"]):
-            yield group, (names[i] if names else f"group{g}.param{i}"), p
+        for name, p in _named_group(group, g):
+            yield group, name, p
+
+
+def _named_group(group: Mapping[str, Any], g: int) -> Iterator[tuple[str, torch.Tensor]]:
+    names = group.get("param_names")
+    for i, p in enumerate(group["params"]):
+        yield (names[i] if names else f"group{g}.param{i}"), p
+
+
+Check = tuple[str, bool, str]
+"""``(hyper-parameter, holds, rule)``: one range check of a parameter group."""
+
+
+def check_hyperparameters(optimizer: str, group: Mapping[str, Any], checks: Iterable[Check]) -> None:
+    """Raise on the first failed check, naming the hyper-parameter, its rule and its value.
+
+    Args:
+        optimizer: The optimizer's name, for the message.
+        group: The parameter group (or the constructor's defaults).
+        checks: The group's checks.
+
+    Raises:
+        ValueError: For a hyper-parameter out of range.
+    """
+    for name, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"{optimizer}: {name} {rule}, got {group[name]!r}")
+
+
+class MatrixOptimizer(torch.optim.Optimizer):
+    """A torch optimizer over 0-D to 3-D parameters whose groups are checked as they are added.
+
+    Subclasses set :attr:`optimizer_name` and implement :meth:`group_checks` and
+    :meth:`_step` (the step without the closure).
+    """
+
+    optimizer_name = "MatrixOptimizer"
+
+    def group_checks(self, group: Mapping[str, Any]) -> list[Check]:
+        """The range checks of one parameter group.
+
+        Args:
+            group: The group, defaults filled in.
+
+        Returns:
+            Its checks.
+        """
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after checking its hyper-parameters and parameter ranks.
+
+        Args:
+            param_group: The group (``params`` plus any hyper-parameter overrides).
+
+        Raises:
+            ValueError: On a hyper-parameter out of range or a parameter of 4+ dimensions
+                (the group is then not added).
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            check_hyperparameters(self.optimizer_name, group, self.group_checks(group))
+            for name, p in _named_group(group, len(self.param_groups) - 1):
+                check_matrix_rank(p, name, self.optimizer_name)
+        except ValueError:
+            self.param_groups.pop()  # a rejected group must not stay in the optimizer
+            raise
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Perform one optimization step.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, if given.
+
+        Raises:
+            ValueError: On every rank, naming the parameter, if the input of a whole-matrix
+                computation is not finite (Muon: a Newton-Schulz input; Shampoo: a gradient
+                block; for Muon see also ``sync_nonfinite_check``). The step is then not
+                applied at all: every parameter and every state tensor is left as it was.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        return loss
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
+        return next(g for g in self.param_groups if any(p is param for p in g["params"]))
 
 
 def check_matrix_rank(param: torch.Tensor, name: str, optimizer: str) -> None:

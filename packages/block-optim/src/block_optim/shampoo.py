@@ -24,7 +24,8 @@ from block_optim import adam_math
 from block_optim.matrix_owners import MatrixPiece
 from block_optim.matrix_roots import inverse_root
 from block_optim.matrix_scheduler import MatrixScheduler
-from block_optim.param_state import check_matrix_rank, local, named_params, zeros_like_param
+from block_optim.param_state import Check, MatrixOptimizer, local, named_params, zeros_like_param
+from block_optim.pending_step import PendingStep
 
 GRAFTINGS = ("none", "sgd", "adam")
 
@@ -50,30 +51,7 @@ def shampoo_unit(shape: tuple[int, ...] | torch.Size, max_preconditioner_dim: in
     return max_preconditioner_dim * cols
 
 
-def _check_group(group: dict[str, Any]) -> None:
-    betas = group["betas"]
-    checks = [
-        ("lr", group["lr"] >= 0, "must be >= 0"),
-        ("betas", len(betas) == 2 and all(0 <= b < 1 for b in betas), "must be two floats in [0, 1)"),
-        ("eps", group["eps"] > 0, "must be > 0"),
-        ("weight_decay", group["weight_decay"] >= 0, "must be >= 0"),
-        ("max_preconditioner_dim", isinstance(group["max_preconditioner_dim"], int)
-         and group["max_preconditioner_dim"] >= 1, "must be an int >= 1"),
-        ("precondition_frequency", isinstance(group["precondition_frequency"], int)
-         and group["precondition_frequency"] >= 1, "must be an int >= 1"),
-        ("start_preconditioning_step", isinstance(group["start_preconditioning_step"], int)
-         and group["start_preconditioning_step"] >= 1, "must be an int >= 1"),
-        ("epsilon", group["epsilon"] >= 0, "must be >= 0"),
-        ("grafting", group["grafting"] in GRAFTINGS, f"must be one of {GRAFTINGS}"),
-        ("preconditioner_dtype", group["preconditioner_dtype"] in (torch.float32, torch.float64),
-         "must be torch.float32 or torch.float64"),
-    ]
-    for name, ok, rule in checks:
-        if not ok:
-            raise ValueError(f"Shampoo: {name} {rule}, got {group[name]!r}")
-
-
-class Shampoo(torch.optim.Optimizer):
+class Shampoo(MatrixOptimizer):
     """Block-diagonal Shampoo with Adam/SGD grafting for plain and sharded parameters.
 
     A 3-D parameter ``[E, rows, cols]`` is ``E`` matrices; 0-D and 1-D parameters take the
@@ -95,6 +73,8 @@ class Shampoo(torch.optim.Optimizer):
             direction takes.
         preconditioner_dtype: dtype of the statistics and roots (float32 or float64).
     """
+
+    optimizer_name = "Shampoo"
 
     def __init__(
         self,
@@ -122,7 +102,7 @@ class Shampoo(torch.optim.Optimizer):
             "Shampoo",
             lambda p: shampoo_unit(p.shape, self._group_of(p)["max_preconditioner_dim"]),
             lambda p: self._group_of(p)["max_preconditioner_dim"],
-            lambda piece: float(piece.numel * (piece.rows + piece.cols)),
+            lambda p, piece: float(piece.numel * (piece.rows + piece.cols)),
         )
         self._loading: dict[int, Any] = {}
         self.register_load_state_dict_pre_hook(Shampoo._stash_preconditioners)
@@ -146,25 +126,32 @@ class Shampoo(torch.optim.Optimizer):
             optimizer.state[params[index]]["preconditioners"] = blocks
         optimizer._loading = {}
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group after checking its hyper-parameters and parameter ranks.
+    def group_checks(self, group: dict[str, Any]) -> list[Check]:
+        """Shampoo's range checks of one parameter group.
 
         Args:
-            param_group: The group (``params`` plus any hyper-parameter overrides).
+            group: The group, defaults filled in.
 
-        Raises:
-            ValueError: On a hyper-parameter out of range or a parameter of 4+ dimensions.
+        Returns:
+            Its checks.
         """
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        _check_group(group)
-        g = len(self.param_groups) - 1
-        names = group.get("param_names")
-        for i, p in enumerate(group["params"]):
-            check_matrix_rank(p, names[i] if names else f"group{g}.param{i}", "Shampoo")
-
-    def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
-        return next(g for g in self.param_groups if any(p is param for p in g["params"]))
+        betas = group["betas"]
+        return [
+            ("lr", group["lr"] >= 0, "must be >= 0"),
+            ("betas", len(betas) == 2 and all(0 <= b < 1 for b in betas), "must be two floats in [0, 1)"),
+            ("eps", group["eps"] > 0, "must be > 0"),
+            ("weight_decay", group["weight_decay"] >= 0, "must be >= 0"),
+            ("max_preconditioner_dim", isinstance(group["max_preconditioner_dim"], int)
+             and group["max_preconditioner_dim"] >= 1, "must be an int >= 1"),
+            ("precondition_frequency", isinstance(group["precondition_frequency"], int)
+             and group["precondition_frequency"] >= 1, "must be an int >= 1"),
+            ("start_preconditioning_step", isinstance(group["start_preconditioning_step"], int)
+             and group["start_preconditioning_step"] >= 1, "must be an int >= 1"),
+            ("epsilon", group["epsilon"] >= 0, "must be >= 0"),
+            ("grafting", group["grafting"] in GRAFTINGS, f"must be one of {GRAFTINGS}"),
+            ("preconditioner_dtype", group["preconditioner_dtype"] in (torch.float32, torch.float64),
+             "must be torch.float32 or torch.float64"),
+        ]
 
     @staticmethod
     def unit_policy(max_preconditioner_dim: int = 1024) -> Callable[[str, torch.Tensor], int]:
@@ -184,8 +171,10 @@ class Shampoo(torch.optim.Optimizer):
         Preconditioner blocks are created on the rank that owns them under this layout, so a
         DCP checkpoint saved under another world size loads each block where it is now used.
         """
+        pending = PendingStep(self.state)
         for group, _, p in named_params(self.param_groups):
-            self._state_of(group, p)
+            pending.state_of(p, lambda: _new_state(group, p))
+        pending.commit()
         params, names, groups = self._matrix_params()
         for j, piece in self._scheduler.owned_pieces(params, names):
             blocks = self.state[params[j]]["preconditioners"]
@@ -195,84 +184,73 @@ class Shampoo(torch.optim.Optimizer):
                     piece.rows, min(piece.cols, c0 + dim) - c0, groups[j]["preconditioner_dtype"], params[j]
                 )
 
-    def _state_of(self, group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            if group["grafting"] == "adam":
-                state["exp_avg"] = zeros_like_param(p)
-                state["exp_avg_sq"] = zeros_like_param(p)
-            if p.ndim >= 2:
-                state["preconditioners"] = {}
-        return state
-
     def _matrix_params(self) -> tuple[list[torch.Tensor], list[str], list[dict[str, Any]]]:
         """Every 2-D and 3-D parameter, in a fixed order: owners are planned over all of them
         once, so a block's statistics never change rank when some gradient is missing."""
         found = [(p, n, g) for g, n, p in named_params(self.param_groups) if p.ndim >= 2]
         return [f[0] for f in found], [f[1] for f in found], [f[2] for f in found]
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Perform one optimization step.
-
-        Args:
-            closure: Re-evaluates the model and returns the loss (optional).
-
-        Returns:
-            The closure's loss, if given.
-
-        Raises:
-            ValueError: On every rank, naming the parameter, if a gradient block is not finite.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _step(self) -> None:
+        pending = PendingStep(self.state)
+        states: dict[int, dict[str, Any]] = {}
         steps: dict[int, int] = {}
         grafts: dict[int, torch.Tensor] = {}
         for group, _, p in named_params(self.param_groups):
             if p.grad is None:
                 continue
-            state = self._state_of(group, p)
-            state["step"] += 1
-            steps[id(p)] = int(state["step"].item())
+            state = states[id(p)] = pending.state_of(p, lambda: _new_state(group, p))
+            steps[id(p)] = int(state["step"].item()) + 1
+            pending.copy(state["step"], state["step"] + 1)
             grad = local(p.grad)
             graft = grad
             if group["grafting"] == "adam":
-                direction, scale = adam_math.adam_direction_(
-                    grad, local(state["exp_avg"]), local(state["exp_avg_sq"]),
-                    step=steps[id(p)], betas=group["betas"], eps=group["eps"],
+                exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
+                new_avg, new_avg_sq = adam_math.adam_moments(grad, exp_avg, exp_avg_sq, betas=group["betas"])
+                pending.copy(exp_avg, new_avg)
+                pending.copy(exp_avg_sq, new_avg_sq)
+                direction, scale = adam_math.adam_direction(
+                    new_avg, new_avg_sq, step=steps[id(p)], betas=group["betas"], eps=group["eps"],
                 )
                 graft = direction.mul_(scale)
-            if p.ndim < 2:
-                _apply(p, graft, group)
             grafts[id(p)] = graft
         params, names, groups = self._matrix_params()
         active = [id(p) in steps for p in params]
-        if not any(active):
-            return loss
-        channels = []
-        for p, on in zip(params, active, strict=True):
-            if on:
-                channels.append([local(p.grad), grafts[id(p)]])
-            else:
-                zeros = torch.zeros_like(local(p))
-                channels.append([zeros, zeros])
+        directions: list[torch.Tensor] = []
+        if any(active):
+            channels = []
+            for p, on in zip(params, active, strict=True):
+                if on:
+                    channels.append([local(p.grad), grafts[id(p)]])
+                else:
+                    zeros = torch.zeros_like(local(p))
+                    channels.append([zeros, zeros])
 
-        def precondition(j: int, piece: MatrixPiece, inputs: list[torch.Tensor]) -> torch.Tensor:
-            if not active[j]:
-                return torch.zeros_like(inputs[0])
-            return _precondition_band(
-                self.state[params[j]]["preconditioners"], piece, inputs[0], inputs[1], groups[j],
-                steps[id(params[j])], params[j],
-            )
+            def precondition(j: int, piece: MatrixPiece, inputs: list[torch.Tensor]) -> torch.Tensor:
+                if not active[j]:
+                    return torch.zeros_like(inputs[0])
+                return _precondition_band(
+                    states[id(params[j])]["preconditioners"], piece, inputs[0], inputs[1], groups[j],
+                    steps[id(params[j])], params[j], pending,
+                )
 
-        directions = self._scheduler.run(params, names, channels, precondition, "gradient")
+            directions = self._scheduler.run(params, names, channels, precondition, "gradient")
+        pending.commit()
+        for group, _, p in named_params(self.param_groups):
+            if p.ndim < 2 and id(p) in steps:
+                _apply(p, grafts[id(p)], group)
         for p, group, direction, on in zip(params, groups, directions, active, strict=True):
             if on:
                 _apply(p, direction, group)
-        return loss
+
+
+def _new_state(group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+    state: dict[str, Any] = {"step": torch.tensor(0.0)}
+    if group["grafting"] == "adam":
+        state["exp_avg"] = zeros_like_param(p)
+        state["exp_avg_sq"] = zeros_like_param(p)
+    if p.ndim >= 2:
+        state["preconditioners"] = {}
+    return state
 
 
 def _apply(p: torch.Tensor, direction: torch.Tensor, group: dict[str, Any]) -> None:
@@ -300,8 +278,12 @@ def _precondition_band(
     group: dict[str, Any],
     step: int,
     param: torch.Tensor,
+    pending: PendingStep,
 ) -> torch.Tensor:
-    """Shampoo's direction for one band of rows, block by block of columns (owner only)."""
+    """Shampoo's direction for one band of rows, block by block of columns (owner only).
+
+    The updated statistics and roots are new tensors recorded in ``pending``: the step may
+    still fail on another band or rank."""
     dim, dtype = group["max_preconditioner_dim"], group["preconditioner_dtype"]
     start = group["start_preconditioning_step"]
     started = step >= start
@@ -311,14 +293,12 @@ def _precondition_band(
         c1 = min(piece.cols, c0 + dim)
         g = grad[:, c0:c1].to(dtype)
         key = f"{piece.index}.{c0 // dim}"
-        if key not in blocks:
-            blocks[key] = _new_block(g.shape[0], g.shape[1], dtype, param)
-        block = blocks[key]
-        block["left"].addmm_(g, g.mT)
-        block["right"].addmm_(g.mT, g)
+        old = blocks[key] if key in blocks else _new_block(g.shape[0], g.shape[1], dtype, param)
+        block = {**old, "left": old["left"].addmm(g, g.mT), "right": old["right"].addmm(g.mT, g)}
         if refresh:
             block["left_root"] = inverse_root(block["left"], 4, group["epsilon"])
             block["right_root"] = inverse_root(block["right"], 4, group["epsilon"])
+        pending.put(blocks, key, block)
         if not started:
             out[:, c0:c1] = graft[:, c0:c1]
             continue
