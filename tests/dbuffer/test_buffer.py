@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 
 import pytest
 import torch
@@ -17,9 +18,19 @@ from torch.distributed.tensor import Replicate
 from dbuffer import DBuffer, FreedBufferError
 from dbuffer.kernels import dispatch
 from tests.dbuffer.cases import Case, full_tensors, grad_sum, local_piece, random_plan, rank_grads
+from tests.dbuffer.collective_log import record_collectives
 from tests.harness import device_mesh
 
 WORLD_SIZES = (1, 2, 3, 4)
+
+
+def assert_average(got: torch.Tensor, total: torch.Tensor, ranks: int, ulps: int = 1) -> None:
+    """``got`` equals ``total / ranks`` (exact quotient, in fp64) to within ``ulps`` ulps of
+    ``got``'s dtype: a correctly rounded division is within half an ulp, a multiplication by
+    the rounded reciprocal within one."""
+    exact = total.double() / ranks
+    tolerance = ulps * torch.finfo(got.dtype).eps * exact.abs()
+    assert torch.all((got.double() - exact).abs() <= tolerance), (got, exact)
 
 
 def _fill_grads(buf: DBuffer, grads: dict[str, torch.Tensor]) -> None:
@@ -51,20 +62,20 @@ def _check_gather_and_reduce(case: Case) -> None:
         if case.async_op:
             handle.wait()
         for name in p.entries:
-            expected = local_piece(p, name.name, rank, reference[name.name])
-            if op == "avg":
-                expected = expected * torch.tensor(1 / world)
+            total = local_piece(p, name.name, rank, reference[name.name])
             got = buf.sharded_grad_view(name.name)
             assert got.dtype == case.dtype
-            if predivide and world & (world - 1):
+            if op == "sum":
+                assert torch.equal(got, total.to(case.dtype)), (op, name.name)
+            elif predivide and world & (world - 1):
                 # dividing each rank's gradient by 3 before summing rounds each term (and
                 # the partial sums) in the reduce dtype: at most ~world ulps of the largest
                 # term, |g| / 3 <= 8 / 3.
                 eps = torch.finfo(case.reduce_dtype or compute).eps
-                torch.testing.assert_close(got, expected.to(case.dtype), rtol=0,
+                torch.testing.assert_close(got.double(), total.double() / world, rtol=0,
                                            atol=world * eps * 8 / 3)
             else:
-                assert torch.equal(got, expected.to(case.dtype)), (op, predivide, name.name)
+                assert_average(got, total, world)
         buf.free_grad()
     buf.free_unsharded()
 
@@ -139,10 +150,10 @@ def _accumulation_case(case: Case) -> None:
     buf.reduce_scatter("avg")
     reference = grad_sum(p, case.seed, world)
     for entry in p.entries:
-        expected = local_piece(p, entry.name, rank, reference[entry.name])
-        # avg of 2 passes, then avg of 1 more pass, accumulated: 3 * sum / world.
-        expected = (expected * 2) * torch.tensor(1 / world) + expected * torch.tensor(1 / world)
-        assert torch.equal(buf.sharded_grad_view(entry.name), expected.to(case.dtype)), entry.name
+        total = local_piece(p, entry.name, rank, reference[entry.name])
+        # avg of 2 passes, then avg of 1 more pass, accumulated: 3 * sum / world, with two
+        # roundings (the first average, then the fused add of the second): 2 ulps.
+        assert_average(buf.sharded_grad_view(entry.name), 3 * total, world, ulps=2)
 
 
 def _accumulation_cases(cases: list[Case]) -> None:
@@ -179,7 +190,7 @@ def _hsdp_case(case: Case) -> None:
         for entry in p.entries:
             expected = local_piece(p, entry.name, shard_rank, reference[entry.name])
             if op == "avg":
-                expected = expected * torch.tensor(1 / 4)
+                expected = expected / 4
             assert torch.equal(buf.sharded_grad_view(entry.name), expected), (op, entry.name)
     for name, t in full.items():
         sharded = buf.sharded_param(name)
@@ -198,6 +209,9 @@ def _hsdp_cases(cases: list[Case], other: Plan) -> None:
         DBuffer(other if rank == 3 else good, mesh)
     with pytest.raises(TypeError, match="rank 3: TypeError: compute_dtype"):
         DBuffer(good, mesh, compute_dtype=torch.int8 if rank == 3 else None)
+    with record_collectives() as log:  # the construction check: one small all-gather per dim
+        DBuffer(good, mesh)
+    assert [c.name for c in log] == ["all_gather_into_tensor"] * 2, log
 
 
 def test_hsdp_2x2_equals_sum_over_all_ranks(ranks) -> None:
@@ -220,15 +234,19 @@ def _lifetime_case(case: Case) -> None:
         buf.unsharded_view(name)
     with pytest.raises(FreedBufferError, match="sharded_grad_view.*reduce_scatter"):
         buf.sharded_grad_view(name)
-    with pytest.raises(FreedBufferError, match="no gradient to reduce"):
-        buf.reduce_scatter()
     buf.all_gather()
     views = {n: buf.unsharded_view(n) for n in buf.names}
+    flat = buf.unsharded_buffer
     before = {n: v.clone() for n, v in views.items()}
+    alias = views[name].detach()  # an alias DBuffer did not hand out
     buf.free_unsharded()
     assert buf.unsharded_view.__self__ is buf and not buf.is_unsharded
-    for v in views.values():  # the same objects, now over a zero-byte storage
-        assert v.untyped_storage().nbytes() == 0
+    for n, v in views.items():  # the same objects, now over a zero-byte storage
+        assert v.untyped_storage().nbytes() == 0 and v.shape == before[n].shape
+        _assert_every_use_raises(v, f"unsharded view of '{n}'.*all_gather")
+    _assert_every_use_raises(flat, "unsharded parameter buffer is freed")
+    with pytest.raises(RuntimeError, match="data pointer"):
+        alias.add_(1)  # writes through any alias raise (reads through one are not covered)
     with pytest.raises(FreedBufferError, match="freed"):
         buf.unsharded_view(name)
     with pytest.raises(FreedBufferError):
@@ -256,6 +274,42 @@ def _lifetime_case(case: Case) -> None:
     assert torch.equal(w.grad, 2 * buf.unsharded_view(name))
 
 
+def _assert_every_use_raises(view: torch.Tensor, match: str) -> None:
+    """Reads, writes, printing and use in a layer all raise (none may crash or return)."""
+    uses = [lambda: view.sum(), lambda: view.add_(1), lambda: view.clone(),
+            lambda: print(view), lambda: view + 1, lambda: view.tolist(),
+            lambda: view.reshape(-1)[0], lambda: torch.nn.functional.linear(
+                torch.ones(2, view.shape[-1], dtype=view.dtype), view),
+            lambda: torch._foreach_mul_([view], 2.0), lambda: view.detach()]
+    for use in uses:
+        with pytest.raises(FreedBufferError, match=match):
+            use()
+
+
+def _freed_grad_views_raise(case: Case) -> None:
+    """Gradient views raise while their buffers are freed, and work again afterwards."""
+    p = case.plan
+    buf = DBuffer.from_tensors(full_tensors(p, case.seed), p, **case.kwargs)
+    grads = rank_grads(p, case.seed, dist.get_rank())
+    _fill_grads(buf, grads)
+    gviews = {n: buf.grad_view(n) for n in buf.names}
+    buf.reduce_scatter("sum")
+    sviews = {n: buf.sharded_grad_view(n) for n in buf.names}
+    buf.free_grad()
+    buf.free_sharded_grad()
+    for n in buf.names:
+        _assert_every_use_raises(gviews[n], f"grad view of '{n}'.*unsharded gradient buffer")
+        _assert_every_use_raises(sviews[n], f"sharded_grad view of '{n}'.*reduce_scatter")
+    assert buf.grad_view(p.entries[0].name) is gviews[p.entries[0].name]
+    assert all(not v.any() for v in gviews.values())  # re-allocated zero-filled, usable
+    _fill_grads(buf, grads)
+    buf.reduce_scatter("sum")
+    reference = grad_sum(p, case.seed, dist.get_world_size())
+    for n, v in sviews.items():
+        assert buf.sharded_grad_view(n) is v
+        assert torch.equal(v, local_piece(p, n, buf.rank, reference[n]).to(case.dtype))
+
+
 def _frozen_case(case: Case) -> None:
     p = case.plan
     names = [e.name for e in p.entries]
@@ -266,8 +320,22 @@ def _frozen_case(case: Case) -> None:
     for n in names[len(names) // 2:]:
         with pytest.raises(ValueError, match=f"'{n}' is frozen"):
             buf.grad_view(n)
-    frozen = DBuffer.from_tensors(full_tensors(p, case.seed), p, requires_grad=(), **case.kwargs)
-    assert frozen.trainable == () and not frozen.has_grad
+    frozen_names = names[len(names) // 2:]
+    itemsizes = (buf.compute_dtype.itemsize, buf.dtype.itemsize)
+    local = sum(e - s for s, e in (p.local_range(n, buf.rank) for n in frozen_names))
+    expected_bytes = sum(p.entry(n).numel for n in frozen_names) * itemsizes[0] + \
+        local * itemsizes[1] if trainable else 0  # no trainable tensor: no gradient memory
+    assert buf.frozen_grad_bytes == expected_bytes
+    if trainable:  # mixed: the reserved space is announced
+        with pytest.warns(UserWarning, match=f"{len(frozen_names)} frozen tensor.*"
+                                             f"{expected_bytes} bytes"):
+            DBuffer(p, requires_grad=trainable, **case.kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # all or none trainable: none reserved
+        assert DBuffer(p, **case.kwargs).frozen_grad_bytes == 0
+        frozen = DBuffer.from_tensors(full_tensors(p, case.seed), p, requires_grad=(),
+                                      **case.kwargs)
+    assert frozen.trainable == () and not frozen.has_grad and frozen.frozen_grad_bytes == 0
     with pytest.raises(ValueError, match="frozen"):
         _ = frozen.grad_buffer
     with pytest.raises(ValueError, match="frozen"):
@@ -281,12 +349,54 @@ def _frozen_case(case: Case) -> None:
         for n in trainable:
             assert torch.equal(buf.sharded_grad_view(n),
                                local_piece(p, n, buf.rank, reference[n]))
+        for n in frozen_names:
+            start, end = p.local_range(n, buf.rank)
+            offset = p.entry(n).offset + start - buf.rank * p.shard_size
+            assert not buf.sharded_grad_buffer[offset:offset + end - start].any()
+            assert not buf.grad_buffer[p.entry(n).offset:p.entry(n).offset + p.entry(n).numel].any()
 
 
 def _lifetime_cases(cases: list[Case]) -> None:
     for case in cases:
         _lifetime_case(case)
+        _freed_grad_views_raise(case)
         _frozen_case(case)
+
+
+def _silent_rank_case(case: Case, silent: int) -> None:
+    """Rank ``silent`` never writes a gradient (its experts got no tokens): it contributes
+    zeros instead of raising while the others wait in the collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    p = case.plan
+    buf = DBuffer.from_tensors(full_tensors(p, case.seed), p, **case.kwargs)
+    grads = [rank_grads(p, case.seed, r) for r in range(world)]
+    for op in ("sum", "avg"):
+        if rank != silent:
+            _fill_grads(buf, grads[rank])
+        buf.free_sharded_grad()
+        buf.reduce_scatter(op)
+        for e in p.entries:
+            total = sum(grads[r][e.name] for r in range(world) if r != silent)
+            total = local_piece(p, e.name, rank, total)
+            got = buf.sharded_grad_view(e.name)
+            if op == "sum":
+                assert torch.equal(got, total.to(case.dtype)), e.name
+            else:
+                assert_average(got, total, world)
+        buf.free_grad()
+
+
+def test_rank_without_gradients_contributes_zeros(ranks) -> None:
+    rng = random.Random(23)
+    cases = [Case(random_plan(rng, 3), seed=4),
+             Case(random_plan(rng, 3), seed=6, compute_dtype=torch.bfloat16,
+                  reduce_dtype=torch.float32)]
+    ranks.run(3, _silent_rank_cases, cases, 1)
+
+
+def _silent_rank_cases(cases: list[Case], silent: int) -> None:
+    for case in cases:
+        _silent_rank_case(case, silent)
 
 
 @pytest.mark.parametrize("world_size", (1, 3))

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from dbuffer import DBuffer
 from tests.dbuffer.cases import full_tensors, random_plan
+from tests.dbuffer.collective_log import record_collectives
 
 
 def _error_cases(plans: dict[str, object]) -> bool:
@@ -25,9 +26,18 @@ def _error_cases(plans: dict[str, object]) -> bool:
         DBuffer(good, compute_dtype=torch.bfloat16 if rank == 0 else None)
     with pytest.raises(TypeError, match="dtype: dtype torch.int32 is not supported"):
         DBuffer(good, dtype=torch.int32)
-    # A local error on one rank only: every rank raises, naming that rank.
-    with pytest.raises(TypeError, match="rank 1: TypeError: compute_dtype"):
+    # A local error on one rank only: every rank raises, naming that rank, after the same
+    # single small collective as on the happy path.
+    with record_collectives() as failing, \
+            pytest.raises(TypeError, match="rank 1: TypeError: compute_dtype"):
         DBuffer(good, compute_dtype=torch.float64 if rank == 1 else None)
+    with record_collectives() as happy:
+        DBuffer(good)
+    with record_collectives() as filled:
+        DBuffer.from_tensors(full_tensors(good, 0), good)
+    for log in (failing, happy, filled):
+        assert [(c.name, c.input_numel <= 1024) for c in log] == \
+            [("all_gather_into_tensor", True)], log
     with pytest.raises(ValueError, match="requires_grad names tensors not in the plan"):
         DBuffer(good, requires_grad=["nope"])
     tensors = full_tensors(good, 0)

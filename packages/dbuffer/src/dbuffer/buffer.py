@@ -19,6 +19,7 @@ buffers themselves: no copy-in, no copy-out, no ``chunk_cat``.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Collection, Mapping
 from typing import Literal
 
@@ -37,7 +38,7 @@ from dbuffer.collectives import (
     all_reduce_sum,
     reduce_scatter_into,
 )
-from dbuffer.errors import check_consistent, check_dtype, fingerprint_int, raise_everywhere
+from dbuffer.errors import check_consistent, check_dtype, fingerprint_int
 from dbuffer.flat import FlatBuffer
 from dbuffer.topology import Topology
 
@@ -60,7 +61,11 @@ class DBuffer:
         compute_dtype: the unsharded parameters' and gradients' dtype (default ``dtype``).
         reduce_dtype: the dtype gradients are reduced in (default ``compute_dtype``).
         requires_grad: names of the trainable tensors (default: all). Frozen tensors get no
-            gradient views; with none trainable no gradient memory is ever allocated.
+            gradient views; with none trainable no gradient memory is ever allocated. With
+            some frozen, their regions of the gradient buffers stay reserved (kept at zero),
+            because every trainable tensor's gradient must keep its parameter's per-rank
+            ranges: the buffer warns with the bytes reserved (:attr:`frozen_grad_bytes`);
+            a DBuffer of its own for the frozen tensors reserves none.
 
     Raises:
         TypeError: for an unsupported dtype.
@@ -73,6 +78,17 @@ class DBuffer:
                  compute_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None,
                  requires_grad: Collection[str] | None = None) -> None:
+        self._build(plan, group, device=device, dtype=dtype, compute_dtype=compute_dtype,
+                    reduce_dtype=reduce_dtype, requires_grad=requires_grad)
+
+    def _build(self, plan: Plan, group: dist.ProcessGroup | DeviceMesh | None, *,
+               device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               compute_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype | None = None,
+               requires_grad: Collection[str] | None = None,
+               input_error: BaseException | None = None) -> None:
+        """The constructor's body; ``input_error`` (from :meth:`from_tensors`) rides the same
+        single construction check as the local errors."""
         self.plan = plan
         self.topology = Topology.resolve(group)
         self.device = torch.device(device)
@@ -82,7 +98,7 @@ class DBuffer:
         self._entries: dict[str, PlanEntry] = {e.name: e for e in plan.entries}
         wanted = set(self._entries if requires_grad is None else requires_grad)
         self.trainable: tuple[str, ...] = tuple(n for n in self._entries if n in wanted)
-        error = self._local_error(requires_grad)
+        error = self._local_error(requires_grad) or input_error
         check_consistent(error, self._fingerprint(), self.topology.groups)
 
         self.rank = self.topology.shard_rank
@@ -91,16 +107,27 @@ class DBuffer:
         self._sharded = FlatBuffer(S, dtype, self.device, "sharded parameter buffer",
                                    allocated=True)
         self._unsharded = FlatBuffer(self.world_size * S, self.compute_dtype, self.device,
-                                     "unsharded parameter buffer", allocated=False)
+                                     "unsharded parameter buffer", allocated=False,
+                                     hint="call all_gather() first")
         self._grad: FlatBuffer | None = None
         self._sharded_grad: FlatBuffer | None = None
         if self.trainable:
             self._grad = FlatBuffer(self.world_size * S, self.compute_dtype, self.device,
-                                    "unsharded gradient buffer", allocated=False)
+                                    "unsharded gradient buffer", allocated=False,
+                                    hint="call grad_view() or grad_buffer first")
             self._sharded_grad = FlatBuffer(S, dtype, self.device, "sharded gradient buffer",
-                                            allocated=False)
+                                            allocated=False, hint="call reduce_scatter() first")
         self._views: dict[tuple[str, str], torch.Tensor] = {}
         self._dtensors: dict[tuple[str, str], DTensor] = {}
+        frozen = [n for n in self._entries if n not in self.trainable]
+        if self.trainable and frozen:
+            warnings.warn(
+                f"DBuffer: {len(frozen)} frozen tensor(s) ({', '.join(frozen[:4])}"
+                f"{', ...' if len(frozen) > 4 else ''}) keep {self.frozen_grad_bytes} bytes "
+                "of gradient buffer space reserved on this rank (unsharded and sharded "
+                "gradients; kept at zero), because gradient regions keep the parameters' "
+                "layout; give frozen tensors a DBuffer of their own (requires_grad=()) to "
+                "reserve none", UserWarning, stacklevel=3)
 
     # ----------------------------------------------------------------- construction helpers
     @classmethod
@@ -122,7 +149,8 @@ class DBuffer:
             The filled buffer.
 
         Raises:
-            ValueError: when the names or sizes do not match the plan (on every rank).
+            ValueError: when the names or sizes do not match the plan (on every rank, through
+                the construction check: still one small collective).
         """
         names = {e.name for e in plan.entries}
         error: ValueError | None = None
@@ -139,8 +167,8 @@ class DBuffer:
                     error = ValueError(f"tensor {entry.name!r}: shape {tuple(t.shape)} does not "
                                        f"match the plan (numel {entry.numel}, shape {entry.shape})")
                     break
-        buffer = cls(plan, group, **kwargs)  # type: ignore[arg-type]
-        raise_everywhere(error, buffer.topology.groups)
+        buffer = cls.__new__(cls)
+        buffer._build(plan, group, input_error=error, **kwargs)  # type: ignore[arg-type]
         with torch.no_grad():
             for entry in plan.entries:
                 start, end = plan.local_range(entry.name, buffer.rank)
@@ -203,11 +231,11 @@ class DBuffer:
             raise ValueError(f"tensor {name!r} is frozen (not in requires_grad): it has no "
                              "gradient")
 
-    def _view(self, kind: str, name: str, flat: torch.Tensor, offset: int, numel: int,
+    def _view(self, kind: str, name: str, buffer: FlatBuffer, offset: int, numel: int,
               shape: tuple[int, ...]) -> torch.Tensor:
         key = (kind, name)
         if key not in self._views:
-            self._views[key] = flat.narrow(0, offset, numel).view(shape)
+            self._views[key] = buffer.view(f"{kind} view of {name!r}", offset, numel, shape)
         return self._views[key]
 
     # ------------------------------------------------------------------- sharded params
@@ -227,7 +255,7 @@ class DBuffer:
             A 1-D view (empty when this rank owns none of the tensor).
         """
         offset, numel = self._local_slice(name)
-        return self._view("local", name, self._sharded.tensor, offset, numel, (numel,))
+        return self._view("local", name, self._sharded, offset, numel, (numel,))
 
     def _dtensor(self, kind: str, name: str, local: torch.Tensor) -> DTensor:
         key = (kind, name)
@@ -298,7 +326,8 @@ class DBuffer:
         """Tensor ``name`` in full, shaped like it: a view of the unsharded buffer.
 
         The same view object is returned every time; it stays valid across
-        :meth:`free_unsharded` and the next :meth:`all_gather` (it must not be used between).
+        :meth:`free_unsharded` and the next :meth:`all_gather`; any use of it between raises
+        :class:`~dbuffer.FreedBufferError`.
 
         Args:
             name: the tensor.
@@ -311,11 +340,13 @@ class DBuffer:
         """
         entry = self._entry(name)
         self._unsharded.check(f"unsharded_view({name!r})", "call all_gather() first")
-        return self._view("unsharded", name, self._unsharded.tensor, entry.offset, entry.numel,
+        return self._view("unsharded", name, self._unsharded, entry.offset, entry.numel,
                           self._shape(name))
 
     def free_unsharded(self) -> None:
-        """Release the unsharded parameter memory (storage resized to 0 in place)."""
+        """Release the unsharded parameter memory (storage resized to 0 in place); until the
+        next :meth:`all_gather`, using a view handed out earlier raises
+        :class:`~dbuffer.FreedBufferError`."""
         self._unsharded.free()
 
     # ------------------------------------------------------------------------ gradients
@@ -325,14 +356,27 @@ class DBuffer:
         return self._grad, self._sharded_grad
 
     @property
+    def frozen_grad_bytes(self) -> int:
+        """Bytes of this rank's gradient buffers (the ``W*S`` unsharded one in
+        ``compute_dtype`` and the ``S`` sharded one in ``dtype``) spanned by frozen tensors:
+        reserved, kept at zero, never handed out. 0 when every tensor is trainable or none
+        is (then no gradient memory exists at all).
+
+        The gradient buffers share the parameters' layout so that each sharded gradient has
+        its parameter's RaggedShard ranges and the reduce-scatter stays one equal-split
+        collective; dropping a frozen region would shift every later tensor's ranges.
+        """
+        if not self.trainable:
+            return 0
+        frozen = [e for e in self.plan.entries if e.name not in self.trainable]
+        unsharded = sum(e.numel for e in frozen)
+        local = sum(self._local_slice(e.name)[1] for e in frozen)
+        return unsharded * self.compute_dtype.itemsize + local * self.dtype.itemsize
+
+    @property
     def has_grad(self) -> bool:
         """Whether the unsharded gradient buffer holds memory."""
         return self._grad is not None and self._grad.allocated
-
-    @property
-    def has_sharded_grad(self) -> bool:
-        """Whether the sharded gradients hold a reduced gradient."""
-        return self._sharded_grad is not None and self._sharded_grad.allocated
 
     @property
     def grad_buffer(self) -> torch.Tensor:
@@ -342,10 +386,14 @@ class DBuffer:
         Raises:
             ValueError: when every tensor is frozen.
         """
+        return self._allocated_grad().tensor
+
+    def _allocated_grad(self) -> FlatBuffer:
+        """The unsharded gradient buffer, allocated zero-filled (one launch) if freed."""
         grad, _ = self._require_grad_buffers()
         if grad.allocate():
             kernels.zero_(grad.tensor)
-        return grad.tensor
+        return grad
 
     def grad_view(self, name: str) -> torch.Tensor:
         """Tensor ``name``'s unsharded gradient: a view of the gradient buffer, shaped like
@@ -362,9 +410,9 @@ class DBuffer:
             ValueError: when ``name`` is frozen.
         """
         self._check_trainable(name)
-        flat = self.grad_buffer
+        grad = self._allocated_grad()
         entry = self._entry(name)
-        return self._view("grad", name, flat, entry.offset, entry.numel, self._shape(name))
+        return self._view("grad", name, grad, entry.offset, entry.numel, self._shape(name))
 
     def reduce_scatter(self, op: ReduceOp = "avg", async_op: bool = False, *,
                        predivide: bool = False) -> CollectiveHandle | None:
@@ -390,7 +438,10 @@ class DBuffer:
 
         Raises:
             ValueError: for an unknown ``op`` or when every tensor is frozen.
-            FreedBufferError: when there is no unsharded gradient (freed or never created).
+
+        A rank that never wrote a gradient since the last :meth:`free_grad` (no
+        :meth:`grad_view`, e.g. its experts received no tokens) contributes zeros, as in
+        FSDP; every rank must still call this collectively.
         """
         if op not in ("avg", "sum"):
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
@@ -399,9 +450,10 @@ class DBuffer:
 
     def _reduce_scatter(self, op: ReduceOp, async_op: bool,
                         predivide: bool) -> CollectiveHandle | None:
-        grad, sharded_grad = self._require_grad_buffers()
-        grad.check("reduce_scatter()", "there is no gradient to reduce (call grad_view() "
-                   "and run backward first)")
+        # A rank that wrote no gradient (e.g. its experts got no tokens) contributes zeros:
+        # raising here would leave the other ranks waiting in the collective.
+        grad = self._allocated_grad()
+        sharded_grad = self._require_grad_buffers()[1]
         ranks = self.world_size * self.topology.replicate_size
         factor = 1.0 / ranks if op == "avg" else 1.0
         pre, post = (factor, 1.0) if predivide else (1.0, factor)
@@ -456,7 +508,7 @@ class DBuffer:
         _, sharded_grad = self._require_grad_buffers()
         sharded_grad.check(f"sharded_grad_view({name!r})", "call reduce_scatter() first")
         offset, numel = self._local_slice(name)
-        return self._view("sharded_grad", name, sharded_grad.tensor, offset, numel, (numel,))
+        return self._view("sharded_grad", name, sharded_grad, offset, numel, (numel,))
 
     def sharded_grad(self, name: str) -> DTensor:
         """Tensor ``name``'s reduced gradient as a RaggedShard DTensor over

@@ -6,7 +6,8 @@ and resized back before the next use, and every earlier view sees the new memory
 
 A raw view of a zero-byte storage is not safe to touch (CPU kernels read through it without
 a bounds check and crash), so every access path in DBuffer goes through :meth:`check`, which
-raises :class:`~dbuffer.errors.FreedBufferError` naming the tensor instead.
+raises :class:`~dbuffer.errors.FreedBufferError` naming the tensor instead, and every tensor
+handed out (the flat tensor and each :meth:`view`) is fenced while freed (:mod:`dbuffer.freed`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from dbuffer.errors import FreedBufferError
+from dbuffer.freed import fence, unfence
 
 
 class FlatBuffer:
@@ -34,13 +36,26 @@ class FlatBuffer:
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, what: str, *,
-                 allocated: bool) -> None:
+                 allocated: bool, hint: str = "") -> None:
         self.what = what
+        self._hint = hint
         self._numel, self._dtype, self._device = numel, dtype, device
         self._nbytes = numel * dtype.itemsize
         self._tensor: torch.Tensor | None = None
+        self._storage: torch.UntypedStorage | None = None
+        self._views: list[tuple[torch.Tensor, str]] = []
+        # A zero-byte storage marked to throw on mutable data access: freeing swaps its data
+        # pointer (and the mark) into this buffer's storage, re-allocation swaps it back.
+        self._marked = torch.empty(0, dtype=torch.uint8, device=device).untyped_storage()
+        torch._C._set_throw_on_mutable_data_ptr(
+            torch.empty(0, dtype=torch.uint8, device=device).set_(self._marked))
         if allocated:
-            self._tensor = torch.zeros(numel, dtype=dtype, device=device)
+            self._set_tensor(torch.zeros(numel, dtype=dtype, device=device))
+
+    def _set_tensor(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+        self._storage = tensor.untyped_storage()
+        self._views.append((tensor, f"the flat {self.what}"))
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -52,8 +67,7 @@ class FlatBuffer:
     @property
     def allocated(self) -> bool:
         """Whether the storage currently holds memory."""
-        return (self._tensor is not None
-                and self._tensor.untyped_storage().nbytes() == self._nbytes)
+        return self._storage is not None and self._storage.nbytes() == self._nbytes
 
     def allocate(self) -> bool:
         """Restore the memory (contents undefined) if freed.
@@ -61,18 +75,46 @@ class FlatBuffer:
         Returns:
             True when the memory was freed (or never allocated) and is now allocated.
         """
-        if self._tensor is None:
-            self._tensor = torch.empty(self._numel, dtype=self._dtype, device=self._device)
+        if self._storage is None:
+            self._set_tensor(torch.empty(self._numel, dtype=self._dtype, device=self._device))
             return True
         if self.allocated:
             return False
-        self._tensor.untyped_storage().resize_(self._nbytes)
+        self._storage._swap_data_ptr_(self._marked)
+        self._storage.resize_(self._nbytes)
+        for view, _ in self._views:
+            unfence(view)
         return True
 
     def free(self) -> None:
-        """Release the memory; views stay valid objects, unusable until :meth:`allocate`."""
-        if self._tensor is not None:
-            self._tensor.untyped_storage().resize_(0)
+        """Release the memory; views stay valid objects, unusable until :meth:`allocate`.
+
+        While freed, every tensor handed out raises
+        :class:`~dbuffer.errors.FreedBufferError` on use, and writes through any other
+        alias of the storage raise too.
+        """
+        if self._storage is None or not self.allocated:
+            return
+        self._storage.resize_(0)
+        self._storage._swap_data_ptr_(self._marked)
+        for view, what in self._views:
+            fence(view, f"{what} is used while the {self.what} is freed; {self._hint}")
+
+    def view(self, what: str, offset: int, numel: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A view of ``numel`` elements at ``offset``, shaped ``shape``, fenced while freed.
+
+        Args:
+            what: how errors name the view (e.g. ``"unsharded view of 'w'"``).
+            offset: first element.
+            numel: number of elements.
+            shape: the view's shape.
+
+        Returns:
+            The view (the caller caches it; this buffer keeps it to fence it).
+        """
+        tensor = self.tensor.narrow(0, offset, numel).view(shape)
+        self._views.append((tensor, what))
+        return tensor
 
     def check(self, name: str, hint: str) -> None:
         """Raise :class:`FreedBufferError` for tensor ``name`` if the memory is freed.

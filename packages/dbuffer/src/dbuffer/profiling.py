@@ -3,12 +3,20 @@
 Used by the zero-copy tests and ``benchmarks/dbuffer.py``. A copy is a leaf copying op
 (``aten::copy_``, or ``aten::cat`` writing an ``out=`` tensor); its bytes are the bytes
 written. Copies made inside a communication backend are reported apart from those the caller issued.
-gloo stages every collective through temporaries: on its own worker threads (events with no
-parent there) and, for a reduce-scatter, once more on the caller's thread while the work is
-waited on. So a copy is a backend copy when it ran on a thread that runs ``gloo:``/``nccl:``
-events, or inside an event named ``c10d::*``, ``gloo:*``, ``nccl:*`` or ``comm:*`` (the scope
-DBuffer's collectives, and the benchmark's FSDP2 communication objects, put around each
-collective call and wait).
+gloo stages every collective through temporaries: on its own worker threads, inside the
+``c10d::*`` op on the caller's thread (the clone of a reduce-scatter input), and, for a
+reduce-scatter, once more on the caller's thread when the work completes (its result is
+copied out of gloo's temporary). A copy is therefore a backend copy only when
+
+* it ran on a thread other than the caller's (the thread of the profile's first top-level
+  event), or
+* it ran inside an event named ``c10d::*``, ``gloo:*`` or ``nccl:*``, or
+* it ran inside a ``comm:*`` scope (the scope DBuffer, and the benchmark's FSDP2 side, put
+  around each collective call and wait) *after* that scope's ``c10d::*`` op had ended, or
+  inside a ``comm:wait`` scope: the completion of the collective.
+
+A copy the caller stages *before* the collective (a copy-in, even inside a ``comm:*``
+scope) is counted as issued.
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ COPY_OPS: frozenset[str] = frozenset({
 })
 """Ops that copy data (outer ones such as ``_chunk_cat`` are counted through their leaves)."""
 
-BACKEND_PREFIXES: tuple[str, ...] = ("c10d::", "gloo:", "nccl:", "comm:")
+BACKEND_PREFIXES: tuple[str, ...] = ("c10d::", "gloo:", "nccl:")
+"""Events of the communication backend itself: every copy under one is the backend's."""
 
 _ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8,
              "int": 4, "unsigned char": 1, "signed char": 1, "bool": 1}
@@ -72,6 +81,31 @@ def _written_bytes(event: Any) -> int:
     return math.prod(shapes[index]) * _ITEMSIZE.get(dtypes[index], 0)
 
 
+def _caller_thread(events: list[Any]) -> int | None:
+    roots = [e for e in events if e.cpu_parent is None]
+    return min(roots, key=lambda e: e.time_range.start).thread if roots else None
+
+
+def _after_backend_op(event: Any, scope: Any) -> bool:
+    """Whether ``event`` started after a backend op (``c10d::*``) inside ``scope`` ended."""
+    return any(child.name.startswith(BACKEND_PREFIXES)
+               and child.time_range.end <= event.time_range.start
+               for child in scope.cpu_children)
+
+
+def _in_backend(event: Any, caller: int | None) -> bool:
+    if caller is not None and event.thread != caller:
+        return True
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(BACKEND_PREFIXES) or parent.name == "comm:wait":
+            return True
+        if parent.name.startswith("comm:") and _after_backend_op(event, parent):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
 def copies(events: Iterable[Any]) -> list[Copy]:
     """The leaf copies of a profile.
 
@@ -82,7 +116,7 @@ def copies(events: Iterable[Any]) -> list[Copy]:
         One :class:`Copy` per leaf ``aten::copy_`` or ``aten::cat`` (scalar copies skipped).
     """
     events = list(events)
-    backend_threads = {e.thread for e in events if e.name.startswith(("gloo:", "nccl:"))}
+    caller = _caller_thread(events)
     found = []
     for event in events:
         if event.name not in ("aten::copy_", "aten::cat"):
@@ -92,10 +126,7 @@ def copies(events: Iterable[Any]) -> list[Copy]:
         nbytes = _written_bytes(event)
         if event.name == "aten::copy_" and nbytes == 0:
             continue
-        ancestors = _ancestors(event)
-        backend = (event.thread in backend_threads
-                   or any(a.startswith(BACKEND_PREFIXES) for a in ancestors))
-        found.append(Copy(event.name, nbytes, ancestors, backend))
+        found.append(Copy(event.name, nbytes, _ancestors(event), _in_backend(event, caller)))
     return found
 
 

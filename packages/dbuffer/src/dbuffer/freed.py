@@ -1,0 +1,110 @@
+"""Make the tensors a DBuffer handed out raise while their memory is freed.
+
+Freeing resizes a flat buffer's storage to zero bytes in place, so that views handed out
+earlier (fsdp registers them as module parameters, autograd saves them) stay the same objects
+and see the new memory after the next gather. Between free and re-allocation those views
+point at no memory, and torch's CPU kernels do not check that: reading one at a non-zero
+storage offset dereferences ``nullptr + offset`` and kills the process (exit 139).
+
+No storage-level switch makes *reads* of a CPU storage raise from Python (the
+``throw_on_immutable_data_ptr`` flag of ``c10::StorageImpl`` has only a CUDA binding), so two
+mechanisms are combined:
+
+* every tensor object DBuffer handed out is switched, in place, to the
+  :class:`FreedTensor` class while freed. Its ``__torch_function__`` raises
+  :class:`~dbuffer.errors.FreedBufferError` naming the tensor for every torch function,
+  method, operator, ``print`` and property that touches data, and passes through pure
+  metadata (shape, dtype, device, ``untyped_storage``, hashing). Re-allocation switches it
+  back: the Python object, its autograd version counter and its storage never change.
+* the storage itself is marked to throw on any *mutable* data access while freed (by swapping
+  its empty data pointer with one taken from a marked zero-byte storage, and swapping back on
+  re-allocation), so writes through *other* aliases (``nn.Parameter(view)``, a ``detach()``
+  taken before the free, autograd accumulating into a ``.grad`` alias) raise too.
+
+Not covered (documented): reads through an alias DBuffer did not hand out, which still crash
+on CPU, and C++ code reading the handed-out object directly (autograd running a backward
+whose saved tensor is freed, ``torch.tensor(view)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dbuffer.errors import FreedBufferError
+
+_MESSAGE = "_dbuffer_freed_message"
+_CLASS = "_dbuffer_class"
+
+
+def _metadata_functions() -> frozenset[Any]:
+    base = torch._C.TensorBase
+    getters = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "grad",
+               "ndim", "layout", "is_cuda", "is_meta", "_base", "_version")
+    return frozenset(
+        [torch.Tensor.__hash__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.stride,
+         torch.Tensor.numel, torch.Tensor.storage_offset, torch.Tensor.untyped_storage,
+         torch.Tensor.data_ptr, torch.Tensor.is_contiguous, torch.Tensor.element_size,
+         torch.Tensor.requires_grad_]
+        + [getattr(base, name).__get__ for name in getters]
+        + [base.grad.__set__, base.requires_grad.__set__])
+
+
+class FreedTensor(torch.Tensor):
+    """The class a handed-out view has while its memory is freed (never constructed)."""
+
+    _METADATA: frozenset[Any] = frozenset()
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func in cls._METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        freed = [a for a in _flatten(args, kwargs) if isinstance(a, FreedTensor)]
+        name = getattr(func, "__name__", str(func))
+        raise FreedBufferError(f"{name}(): {getattr(freed[0], _MESSAGE)}" if freed
+                               else f"{name}(): a DBuffer view is used while freed")
+
+
+FreedTensor._METADATA = _metadata_functions()
+
+
+def _flatten(args: Any, kwargs: Any) -> list[Any]:
+    out: list[Any] = []
+    stack = [args, list((kwargs or {}).values())]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+        else:
+            out.append(item)
+    return out
+
+
+def fence(tensor: torch.Tensor, message: str) -> None:
+    """Make every data use of ``tensor`` raise :class:`FreedBufferError` with ``message``.
+
+    Args:
+        tensor: a plain tensor (or a subclass with an instance ``__dict__``).
+        message: what the error says (which tensor, which buffer, what to call first).
+    """
+    if isinstance(tensor, FreedTensor):
+        return
+    setattr(tensor, _MESSAGE, message)
+    setattr(tensor, _CLASS, type(tensor))
+    tensor.__class__ = FreedTensor
+
+
+def unfence(tensor: torch.Tensor) -> None:
+    """Undo :func:`fence`: ``tensor`` gets its class back, unchanged otherwise.
+
+    Args:
+        tensor: a tensor passed to :func:`fence` (others are left alone).
+    """
+    if not isinstance(tensor, FreedTensor):
+        return
+    tensor.__class__ = getattr(tensor, _CLASS)
+    delattr(tensor, _MESSAGE)
+    delattr(tensor, _CLASS)

@@ -1,0 +1,78 @@
+"""Record the collectives a piece of code issues, with the exact tensors passed to them.
+
+An independent check of zero-copy next to the profiler: the tensors handed to
+``all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``all_reduce`` must be DBuffer's own
+buffers (by ``data_ptr``), so a copy-in or copy-out around a collective cannot hide, and the
+number of calls counts the collectives (nested calls inside torch.distributed are not
+double-counted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+WATCHED = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather",
+           "all_gather_object", "broadcast", "broadcast_object_list", "all_to_all_single",
+           "barrier", "reduce_scatter", "gather", "scatter")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One top-level collective: its name, the tensors' data pointers and sizes."""
+
+    name: str
+    output: int | None
+    input: int | None
+    output_numel: int
+    input_numel: int
+    async_op: bool
+
+
+def _tensor(value: Any) -> torch.Tensor | None:
+    return value if isinstance(value, torch.Tensor) else None
+
+
+@contextmanager
+def record_collectives() -> Iterator[list[Call]]:
+    """Patch the collectives of ``torch.distributed`` for the duration; yield the call log."""
+    log: list[Call] = []
+    depth = [0]
+    originals = {name: getattr(distributed_c10d, name) for name in WATCHED}
+
+    def wrap(name: str, original: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                first = _tensor(args[0]) if args else None
+                second = _tensor(args[1]) if len(args) > 1 else None
+                if name == "all_reduce":
+                    first, second = first, first
+                log.append(Call(name,
+                                None if first is None else first.data_ptr(),
+                                None if second is None else second.data_ptr(),
+                                0 if first is None else first.numel(),
+                                0 if second is None else second.numel(),
+                                bool(kwargs.get("async_op", False))))
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return wrapper
+
+    for name, original in originals.items():
+        patched = wrap(name, original)
+        setattr(distributed_c10d, name, patched)
+        setattr(dist, name, patched)
+    try:
+        yield log
+    finally:
+        for name, original in originals.items():
+            setattr(distributed_c10d, name, original)
+            setattr(dist, name, original)
