@@ -47,9 +47,12 @@ def _case_cuts() -> dict[str, Any]:
     mesh = device_mesh(world)
 
     def make(shape: tuple[int, ...], placement: Any) -> DTensor:
-        probe = DTensor.from_local(torch.empty(0), mesh, [placement], shape=shape,
-                                   stride=torch.empty(shape).stride(), run_check=False)
-        return probe
+        # Only the layout matters here; from_local checks a RaggedShard run's size, so give
+        # it the right number of elements (the other placements are metadata-only probes).
+        local_numel = (placement.local_numel(shape, dist.get_rank())
+                       if isinstance(placement, RaggedShard) else 0)
+        return DTensor.from_local(torch.empty(local_numel), mesh, [placement], shape=shape,
+                                  stride=torch.empty(shape).stride(), run_check=False)
 
     ragged = make((10, 30), RaggedShard((0,), (2, 0, 3)))
     shard0 = make((10, 30), Shard(0))

@@ -11,20 +11,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
 
 from ragged_dtensor.flat_boxes import flat_range_boxes
 from tests.harness import device_mesh
-from tests.ragged_dtensor.test_ops import (
+from tests.ragged_dtensor.cases import (
+    KS,
+    KS_OTHER,
+    SHAPES,
     Layout,
-    current_mesh,
     expected_ragged,
     full_of,
+    layouts_for,
     ragged_from_full,
-    use_mesh,
 )
-from tests.ragged_dtensor.test_redistribute import random_units
 
 # ---- the box split (pure) ------------------------------------------------------------------
 
@@ -89,35 +90,17 @@ def test_boxes_of_large_runs_cover_exactly() -> None:
 # ---- DCP across world sizes ----------------------------------------------------------------
 
 
-def _layouts_for(world: int, shapes: list[tuple[int, ...]], ks: list[int], seed: int) -> list[Layout]:
-    rng = random.Random(seed)
-    out = []
-    for i, (shape, k) in enumerate(zip(shapes, ks)):
-        rows = math.prod(shape[:k])
-        while True:
-            units = random_units(rng, world)
-            if rows % sum(units) == 0:
-                break
-        out.append(Layout(1000 + i, shape, k, tuple(units)))
-    return out
-
-
-SHAPES = [(12, 5), (6, 4, 3), (2, 6, 5), (60,), (4, 3, 5, 2)]
-KS = [1, 2, 3, 1, 2]
-KS_OTHER = [2, 1, 2, 1, 3]
-
-
 def save_case(path: str, layouts: list[Layout], mesh_shape: tuple[int, ...]) -> list[int]:
     """Save RaggedShard DTensors; every write item is a view of the local run (no gather) and
     the items are this rank's minimal boxes. Returns the number of items per tensor."""
-    use_mesh(device_mesh(*mesh_shape))
-    state = {f"t{i}": ragged_from_full(full_of(lay.seed, lay.shape), lay)
+    mesh = device_mesh(*mesh_shape)
+    state = {f"t{i}": ragged_from_full(mesh, full_of(lay.seed, lay.shape), lay)
              for i, lay in enumerate(layouts)}
     counts = []
     for name, dt in state.items():
         items = dt.__create_write_items__(name, dt)
         local = dt.to_local()
-        coordinate = current_mesh().get_local_rank(current_mesh().ndim - 1)
+        coordinate = mesh.get_local_rank(mesh.ndim - 1)
         start, end = dt.placements[-1].flat_range(dt.shape, coordinate)
         assert len(items) == len(flat_range_boxes(dt.shape, start, end))
         assert sum(math.prod(it.tensor_data.chunk.sizes) for it in items) == local.numel()
@@ -133,8 +116,7 @@ def save_case(path: str, layouts: list[Layout], mesh_shape: tuple[int, ...]) -> 
 def load_case(path: str, layouts: list[Layout], mesh_shape: tuple[int, ...]) -> int:
     """Load into RaggedShard DTensors of other units, and into Replicate / Shard(0) DTensors."""
     mesh = device_mesh(*mesh_shape)
-    use_mesh(mesh)
-    ragged = {f"t{i}": ragged_from_full(torch.zeros(lay.shape), lay)
+    ragged = {f"t{i}": ragged_from_full(mesh, torch.zeros(lay.shape), lay)
               for i, lay in enumerate(layouts)}
     dcp.load(ragged, checkpoint_id=path)
     checks = 0
@@ -155,20 +137,20 @@ def load_case(path: str, layouts: list[Layout], mesh_shape: tuple[int, ...]) -> 
 
 def test_dcp_save_at_4_load_at_3_and_2(ranks, tmp_path) -> None:
     path = str(tmp_path / "ckpt")
-    saved = _layouts_for(4, SHAPES, KS, seed=1)
+    saved = layouts_for(4, SHAPES, KS, seed=1)
     counts = ranks.run(4, save_case, path, saved, (4,))
     assert max(max(c) for c in counts) >= 2  # some rank's run needed several boxes
     for world, seed in ((3, 2), (2, 3)):
         # the same tensors (same seeds) under other units and world sizes
         other = [Layout(s.seed, s.shape, lay.k, lay.units)
-                 for s, lay in zip(saved, _layouts_for(world, SHAPES, KS_OTHER, seed))]
+                 for s, lay in zip(saved, layouts_for(world, SHAPES, KS_OTHER, seed))]
         assert ranks.run(world, load_case, path, other, (world,)) == [2 * len(SHAPES)] * world
 
 
 def test_dcp_ragged_loads_checkpoint_of_other_placements(ranks, tmp_path) -> None:
     path = str(tmp_path / "plain")
     assert ranks.run(2, save_plain_case, path) == [None, None]
-    layouts = _layouts_for(3, SHAPES, KS, seed=4)
+    layouts = layouts_for(3, SHAPES, KS, seed=4)
     assert ranks.run(3, load_ragged_only_case, path, layouts) == [len(SHAPES)] * 3
 
 
@@ -180,8 +162,8 @@ def save_plain_case(path: str) -> None:
 
 
 def load_ragged_only_case(path: str, layouts: list[Layout]) -> int:
-    use_mesh(device_mesh(dist.get_world_size()))
-    state = {f"t{i}": ragged_from_full(torch.zeros(lay.shape), lay) for i, lay in enumerate(layouts)}
+    mesh = device_mesh(dist.get_world_size())
+    state = {f"t{i}": ragged_from_full(mesh, torch.zeros(lay.shape), lay) for i, lay in enumerate(layouts)}
     dcp.load(state, checkpoint_id=path)
     for i, lay in enumerate(layouts):
         expected_ragged(state[f"t{i}"], full_of(lay.seed, lay.shape), lay, f"{lay}", atol=0, rtol=0)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ragged_dtensor import RaggedShard, raise_on_any_rank, redistribute_many
 from tests.harness import device_mesh
@@ -39,8 +40,10 @@ def wrong_size_case(mode: str) -> str:
     rank, world = dist.get_rank(), dist.get_world_size()
     placement = RaggedShard((0,), [1] * world)
     numel = 3 + (rank == world - 1)  # the last rank holds one element too many
-    dt = DTensor.from_local(torch.ones(numel), mesh, [placement], shape=(world * 3,),
-                            stride=(1,), run_check=False)
+    # from_local refuses a wrong-sized run, so build the broken DTensor directly: the
+    # redistribution must still catch it on every rank
+    dt = DTensor(torch.ones(numel), DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(
+        torch.Size((world * 3,)), (1,), torch.float32)), requires_grad=False)
     with pytest.raises(ValueError) as info:
         if mode == "full_tensor":
             dt.full_tensor()

@@ -7,29 +7,32 @@ import random
 
 import torch
 import torch.distributed.checkpoint as dcp
-
-from tests.ragged_dtensor.test_checkpoint import KS, KS_OTHER, SHAPES, _layouts_for
-from tests.ragged_dtensor.test_ops import (
-    IN_PLACE,
-    OUT_OF_PLACE,
-    REDUCTIONS,
+from tests.ragged_dtensor.cases import (
+    KS,
+    KS_OTHER,
+    SHAPES,
     Layout,
     draw_layout,
-    elementwise_cases,
     expected_ragged,
-    foreach_cases,
     full_of,
+    layouts_for,
     mesh_of,
     ragged_from_full,
-    reduction_cases,
 )
-from tests.ragged_dtensor.test_optim import (
+from tests.ragged_dtensor.op_cases import (
+    IN_PLACE,
     OPTIMIZERS,
+    OUT_OF_PLACE,
+    REDUCTIONS,
     STEPS,
     clip_cases,
     draw_param_layouts,
+    elementwise_cases,
+    foreach_cases,
     optimizer_cases,
+    reduction_cases,
 )
+
 
 MESH = (2, 2)
 WORLD = 4
@@ -62,15 +65,15 @@ def test_hsdp_ops_optimizers_and_clip(ranks) -> None:
 
 
 def hsdp_save_case(path: str, layouts: list[Layout]) -> None:
-    mesh_of(MESH)
-    state = {f"t{i}": ragged_from_full(full_of(lay.seed, lay.shape), lay)
+    mesh = mesh_of(MESH)
+    state = {f"t{i}": ragged_from_full(mesh, full_of(lay.seed, lay.shape), lay)
              for i, lay in enumerate(layouts)}
     dcp.save(state, checkpoint_id=path)
 
 
 def hsdp_load_case(path: str, layouts: list[Layout], mesh_shape: tuple[int, ...]) -> int:
-    mesh_of(mesh_shape)
-    state = {f"t{i}": ragged_from_full(torch.zeros(lay.shape), lay) for i, lay in enumerate(layouts)}
+    mesh = mesh_of(mesh_shape)
+    state = {f"t{i}": ragged_from_full(mesh, torch.zeros(lay.shape), lay) for i, lay in enumerate(layouts)}
     dcp.load(state, checkpoint_id=path)
     for i, lay in enumerate(layouts):
         expected_ragged(state[f"t{i}"], full_of(lay.seed, lay.shape), lay, f"{lay}", atol=0, rtol=0)
@@ -82,10 +85,10 @@ def test_hsdp_dcp_round_trip(ranks, tmp_path) -> None:
     """Save from HSDP (replicas write each box once), load into HSDP with other units and into
     a 1-D RaggedShard on 3 ranks."""
     path = str(tmp_path / "hsdp")
-    saved = _layouts_for(RAGGED_RANKS, SHAPES, KS, seed=7)
+    saved = layouts_for(RAGGED_RANKS, SHAPES, KS, seed=7)
     ranks.run(WORLD, hsdp_save_case, path, saved)
     for world, mesh_shape, seed in ((4, MESH, 8), (3, (3,), 9)):
         other = [Layout(s.seed, s.shape, lay.k, lay.units)
-                 for s, lay in zip(saved, _layouts_for(mesh_shape[-1], SHAPES, KS_OTHER, seed))]
+                 for s, lay in zip(saved, layouts_for(mesh_shape[-1], SHAPES, KS_OTHER, seed))]
         assert ranks.run(world, hsdp_load_case, path, other, mesh_shape) == [len(SHAPES)] * world
 

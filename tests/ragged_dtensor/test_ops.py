@@ -12,182 +12,36 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from ragged_dtensor import RaggedShard
 from tests.harness import device_mesh
-from tests.ragged_dtensor.test_redistribute import random_units, ragged_slice
-
-WORLD_SIZES = (1, 2, 3, 4)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A random RaggedShard of a random shape (sizes prime or small, rows divisible by units)."""
-
-    seed: int
-    shape: tuple[int, ...]
-    k: int
-    units: tuple[int, ...]
-
-    @property
-    def placement(self) -> RaggedShard:
-        return RaggedShard(tuple(range(self.k)), self.units)
-
-
-def draw_layout(rng: random.Random, world: int, seed: int, max_ndim: int = 3) -> Layout:
-    units = random_units(rng, world)
-    ndim = rng.randint(1, max_ndim)
-    shape = [rng.choice([1, 2, 3, 5, 7, 11, 13]) for _ in range(ndim)]
-    shape[0] *= sum(units)
-    return Layout(seed, tuple(shape), rng.randint(1, ndim), tuple(units))
-
-
-def draw_layouts(world: int, n: int, seed: int, max_ndim: int = 3) -> list[Layout]:
-    rng = random.Random(seed)
-    return [draw_layout(rng, world, seed * 1000 + i, max_ndim) for i in range(n)]
-
-
-def full_of(seed: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
-
-
-_MESH: list = []
-
-
-def use_mesh(mesh) -> None:
-    """Make ``mesh`` the one the helpers below build DTensors on (one per worker at a time)."""
-    _MESH[:] = [mesh]
-
-
-def current_mesh():
-    return _MESH[-1]
-
-
-def local_coordinate() -> int:
-    """This rank's coordinate on the mesh dim carrying the RaggedShard (the last one)."""
-    mesh = current_mesh()
-    return mesh.get_local_rank(mesh.ndim - 1)
-
-
-def ragged_from_full(full: torch.Tensor, layout: Layout, requires_grad: bool = False) -> DTensor:
-    """The RaggedShard DTensor of ``full`` on the current mesh, built locally (no collective).
-
-    On a 2-D mesh the placement is ``(Replicate(), RaggedShard)`` (HSDP).
-    """
-    mesh = current_mesh()
-    local = ragged_slice(full, layout.k, layout.units, local_coordinate()).clone()
-    placements = [Replicate()] * (mesh.ndim - 1) + [layout.placement]
-    dt = DTensor.from_local(local, mesh, placements, shape=full.shape, stride=full.stride(),
-                            run_check=False)
-    return dt.requires_grad_(requires_grad)
-
-
-def expected_ragged(dt: DTensor, want_full: torch.Tensor, layout: Layout, what: str,
-                    atol: float = 1e-6, rtol: float = 1e-6) -> None:
-    """``dt`` keeps ``layout``'s placement and its local run equals the reference's run."""
-    assert dt.placements[-1] == layout.placement, f"{what}: placements {dt.placements}"
-    assert tuple(dt.shape) == tuple(want_full.shape), f"{what}: shape {dt.shape}"
-    want = ragged_slice(want_full, layout.k, layout.units, local_coordinate())
-    torch.testing.assert_close(dt.to_local(), want, atol=atol, rtol=rtol, msg=what)
+from tests.ragged_dtensor.cases import (
+    Layout,
+    draw_layout,
+    draw_layouts,
+    expected_ragged,
+    full_of,
+    mesh_of,
+    ragged_from_full,
+)
+from tests.ragged_dtensor.op_cases import (
+    IN_PLACE,
+    OUT_OF_PLACE,
+    REDUCTIONS,
+    WORLD_SIZES,
+    elementwise_cases,
+    foreach_cases,
+    reduction_cases,
+)
 
 
 # ---- elementwise ops -----------------------------------------------------------------------
-
-Binary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-#: out-of-place ops of two same-shaped tensors and a 0-d tensor ``s``
-OUT_OF_PLACE: dict[str, Binary] = {
-    "add": lambda a, b, s: a + b,
-    "sub_alpha": lambda a, b, s: torch.sub(a, b, alpha=0.5),
-    "mul": lambda a, b, s: a * b,
-    "div": lambda a, b, s: a / (b.abs() + 1),
-    "lerp": lambda a, b, s: torch.lerp(a, b, 0.3),
-    "lerp_tensor_weight": lambda a, b, s: torch.lerp(a, b, b.abs()),
-    "addcmul": lambda a, b, s: torch.addcmul(a, b, b, value=0.5),
-    "addcdiv": lambda a, b, s: torch.addcdiv(a, b, b.abs() + 1, value=-0.2),
-    "sqrt": lambda a, b, s: a.abs().sqrt(),
-    "neg": lambda a, b, s: -a,
-    "scalar_ops": lambda a, b, s: 3 - a * 2.5 + 1,
-    "pow": lambda a, b, s: a**2,
-    "where": lambda a, b, s: torch.where(a > 0, a, b),
-    "clamp": lambda a, b, s: a.clamp(-0.5, 0.5),
-    "maximum": lambda a, b, s: torch.maximum(a, b),
-    "clone": lambda a, b, s: a.clone(),
-    "zeros_like": lambda a, b, s: torch.zeros_like(a),
-    "full_like": lambda a, b, s: torch.full_like(a, 7.0),
-    "to_float64": lambda a, b, s: a.to(torch.float64),
-    "times_0d_tensor": lambda a, b, s: a * s,
-    "detach": lambda a, b, s: a.detach(),
-}
-
-#: in-place ops; each returns the tensor it modified
-IN_PLACE: dict[str, Binary] = {
-    "add_": lambda a, b, s: a.add_(b, alpha=0.5),
-    "sub_": lambda a, b, s: a.sub_(b),
-    "mul_": lambda a, b, s: a.mul_(b),
-    "mul_scalar_": lambda a, b, s: a.mul_(0.9),
-    "mul_0d_tensor_": lambda a, b, s: a.mul_(s),
-    "div_": lambda a, b, s: a.div_(b.abs() + 1),
-    "lerp_": lambda a, b, s: a.lerp_(b, 0.1),
-    "addcmul_": lambda a, b, s: a.addcmul_(b, b, value=0.3),
-    "addcdiv_": lambda a, b, s: a.addcdiv_(b, b.abs() + 1, value=-0.1),
-    "sqrt_": lambda a, b, s: a.abs_().sqrt_(),
-    "neg_": lambda a, b, s: a.neg_(),
-    "copy_": lambda a, b, s: a.copy_(b),
-    "zero_": lambda a, b, s: a.zero_(),
-    "fill_": lambda a, b, s: a.fill_(1.5),
-    "fill_0d_tensor_": lambda a, b, s: a.fill_(s),
-    "clamp_": lambda a, b, s: a.clamp_(-0.2, 0.2),
-    "add_out": lambda a, b, s: torch.add(b, 1.0, out=a),
-}
-
-
-def mesh_of(mesh_shape: tuple[int, ...] | None):
-    """The cached mesh of ``mesh_shape`` (default: 1-D over every rank), made current."""
-    mesh = device_mesh(*(mesh_shape or (dist.get_world_size(),)))
-    use_mesh(mesh)
-    return mesh
-
-
-def replicated(full: torch.Tensor, last=None) -> DTensor:
-    """``full`` distributed by torch over the current mesh: Replicate, or ``last`` on the last
-    mesh dim."""
-    mesh = current_mesh()
-    placements = [Replicate()] * mesh.ndim
-    if last is not None:
-        placements[-1] = last
-    return torch_distribute_tensor(full.clone(), mesh, placements)
-
-
-def elementwise_cases(layouts: list[Layout], mesh_shape: tuple[int, ...] | None = None) -> int:
-    """Every op of OUT_OF_PLACE and IN_PLACE on every layout; returns the number of checks."""
-    mesh_of(mesh_shape)
-    checks = 0
-    for layout in layouts:
-        fa, fb = full_of(layout.seed, layout.shape), full_of(layout.seed + 1, layout.shape)
-        fs = full_of(layout.seed + 2, ())
-        s = replicated(fs)
-        for name, op in OUT_OF_PLACE.items():
-            a, b = ragged_from_full(fa, layout), ragged_from_full(fb, layout)
-            expected_ragged(op(a, b, s), op(fa.clone(), fb.clone(), fs), layout, f"{name} {layout}")
-            checks += 1
-        for name, op in IN_PLACE.items():
-            a, b = ragged_from_full(fa, layout), ragged_from_full(fb, layout)
-            out = op(a, b, s)
-            assert out is a, name
-            expected_ragged(a, op(fa.clone(), fb.clone(), fs), layout, f"{name} {layout}")
-            checks += 1
-    return checks
-
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_elementwise_ops_keep_ragged_placement(ranks, world: int) -> None:
@@ -198,55 +52,6 @@ def test_elementwise_ops_keep_ragged_placement(ranks, world: int) -> None:
 
 
 # ---- _foreach_* ops ------------------------------------------------------------------------
-
-
-def foreach_cases(layout_lists: list[list[Layout]], mesh_shape: tuple[int, ...] | None = None
-                  ) -> int:
-    """The ``_foreach_*`` ops optimizers use, on lists of differently placed ragged tensors and
-    on a list mixing ragged, ``Shard(0)`` and ``Replicate`` DTensors."""
-    mesh_of(mesh_shape)
-    checks = 0
-    for layouts in layout_lists:
-        fa = [full_of(lay.seed, lay.shape) for lay in layouts]
-        fb = [full_of(lay.seed + 7, lay.shape) for lay in layouts]
-        a = [ragged_from_full(t, lay) for t, lay in zip(fa, layouts)]
-        b = [ragged_from_full(t, lay) for t, lay in zip(fb, layouts)]
-        scalars = [0.5 + i for i in range(len(layouts))]
-        steps: list[tuple[str, Callable[[list, list], object]]] = [
-            ("add_list", lambda x, y: torch._foreach_add(x, y)),
-            ("mul__scalar", lambda x, y: torch._foreach_mul_(x, 0.9)),
-            ("lerp_", lambda x, y: torch._foreach_lerp_(x, y, 0.1)),
-            ("addcmul_", lambda x, y: torch._foreach_addcmul_(x, y, y, value=0.01)),
-            ("sqrt", lambda x, y: torch._foreach_sqrt(torch._foreach_abs(x))),
-            ("div__scalarlist", lambda x, y: torch._foreach_div_(x, scalars)),
-            ("add__scalar", lambda x, y: torch._foreach_add_(x, 1e-3)),
-            ("addcdiv__scalarlist", lambda x, y: torch._foreach_addcdiv_(
-                x, y, torch._foreach_add(torch._foreach_abs(y), 1.0), scalars)),
-            ("neg_", lambda x, y: torch._foreach_neg_(x)),
-            ("copy_", lambda x, y: torch._foreach_copy_(x, y)),
-            ("zero_", lambda x, y: torch._foreach_zero_(x)),
-        ]
-        for name, step in steps:
-            got, want = step(a, b), step(fa, fb)
-            pairs = zip(got, want) if got is not None else zip(a, fa)
-            for (dt, full), layout in zip(pairs, layouts):
-                expected_ragged(dt, full, layout, f"{name} {layout}")
-                checks += 1
-        # a mixed list: ragged, Shard(0) and Replicate DTensors in one foreach call
-        mixed_full = [fa[0], full_of(5, (7, 3)), full_of(6, (4,))]
-        other_full = [fb[0], mixed_full[1] * 2, mixed_full[2] * 3]
-        mixed, others = (
-            [ragged_from_full(f[0], layouts[0]), replicated(f[1], Shard(0)), replicated(f[2])]
-            for f in (mixed_full, other_full)
-        )
-        torch._foreach_lerp_(mixed, others, 0.25)
-        reference = torch._foreach_lerp(mixed_full, other_full, 0.25)
-        expected_ragged(mixed[0], reference[0], layouts[0], "mixed foreach ragged")
-        assert mixed[1].placements[-1] == Shard(0) and mixed[2].placements[-1] == Replicate()
-        for dt, full in zip(mixed[1:], reference[1:]):
-            torch.testing.assert_close(dt.full_tensor(), full)
-        checks += 3
-    return checks
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
@@ -267,16 +72,16 @@ def collective_count_case(layout: Layout) -> tuple[int, int]:
 
     The second number is the positive control: the counter does see DTensor collectives.
     """
-    use_mesh(device_mesh(dist.get_world_size()))
+    mesh = device_mesh(dist.get_world_size())
     fa, fb = full_of(layout.seed, layout.shape), full_of(layout.seed + 1, layout.shape)
-    s = torch_distribute_tensor(full_of(3, ()), current_mesh(), [Replicate()])
-    a, b = ragged_from_full(fa, layout), ragged_from_full(fb, layout)
-    replicate_b = torch_distribute_tensor(fb, current_mesh(), [Replicate()])
+    s = torch_distribute_tensor(full_of(3, ()), mesh, [Replicate()])
+    a, b = ragged_from_full(mesh, fa, layout), ragged_from_full(mesh, fb, layout)
+    replicate_b = torch_distribute_tensor(fb, mesh, [Replicate()])
     with CommDebugMode() as mode:
         for op in OUT_OF_PLACE.values():
             op(a, b, s)
         for op in IN_PLACE.values():
-            op(ragged_from_full(fa, layout), b, s)
+            op(ragged_from_full(mesh, fa, layout), b, s)
         torch._foreach_add_([a, b], [b, a], alpha=0.5)
         torch._foreach_lerp_([a], [b], 0.5)
         torch._foreach_mul_([a, b], 0.5)
@@ -298,47 +103,6 @@ def test_elementwise_ops_use_no_collective(ranks, world: int) -> None:
 
 # ---- reductions ----------------------------------------------------------------------------
 
-REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "sum": lambda x: x.sum(),
-    "mean": lambda x: x.mean(),
-    "norm2": lambda x: torch.linalg.vector_norm(x),
-    "norm1": lambda x: torch.linalg.vector_norm(x, 1),
-    "norm3.5": lambda x: torch.linalg.vector_norm(x, 3.5),
-    "norm_inf": lambda x: torch.linalg.vector_norm(x, math.inf),
-    "norm_-inf": lambda x: torch.linalg.vector_norm(x, -math.inf),
-    "norm0": lambda x: torch.linalg.vector_norm(x, 0),
-    "tensor.norm": lambda x: x.norm(),
-    "max": lambda x: x.max(),
-    "min": lambda x: x.min(),
-    "amax": lambda x: x.amax(),
-    "amin_all_dims": lambda x: x.amin(dim=tuple(range(x.ndim))),
-    "foreach_norm_2": lambda x: torch._foreach_norm([x, x * 2])[1],
-    "foreach_norm_inf": lambda x: torch._foreach_norm([x * 2, x], math.inf)[0],
-}
-
-
-def reduction_cases(layouts: list[Layout], mesh_shape: tuple[int, ...] | None = None) -> int:
-    mesh_of(mesh_shape)
-    checks = 0
-    for layout in layouts:
-        for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
-            full = full_of(layout.seed, layout.shape, dtype)
-            x = ragged_from_full(full, layout)
-            for name, op in REDUCTIONS.items():
-                got = op(x)
-                assert got.shape == torch.Size([]), name
-                torch.testing.assert_close(got.full_tensor(), op(full), rtol=tol, atol=tol,
-                                           msg=f"{name} {dtype} {layout}")
-                checks += 1
-    # torch's uneven Shard(0): one row, so every rank but the first holds an empty shard
-    full = full_of(7, (1, 3))
-    x = replicated(full, Shard(0))
-    for name in ("norm_inf", "norm_-inf", "max", "min", "amax", "foreach_norm_inf"):
-        torch.testing.assert_close(REDUCTIONS[name](x).full_tensor(), REDUCTIONS[name](full),
-                                   msg=f"{name} of an empty Shard(0) shard")
-    return checks
-
-
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_full_reductions_match_single_device(ranks, world: int) -> None:
     rng = random.Random(40 + world)
@@ -355,19 +119,18 @@ def test_full_reductions_match_single_device(ranks, world: int) -> None:
 
 def mixing_cases(layouts: list[Layout]) -> int:
     mesh = device_mesh(dist.get_world_size())
-    use_mesh(mesh)
     world = dist.get_world_size()
     checks = 0
     for i, layout in enumerate(layouts):
         fa, fb = full_of(layout.seed, layout.shape), full_of(layout.seed + 1, layout.shape)
-        a = ragged_from_full(fa, layout)
+        a = ragged_from_full(mesh, fa, layout)
         # same shape, other placements: brought to a's placement, result stays ragged
         replicate_b = torch_distribute_tensor(fb, mesh, [Replicate()])
         shard_b = torch_distribute_tensor(fb, mesh, [Shard(0)])
         units = [0] * world
         units[i % world] = 1
         one_hot = Layout(layout.seed, layout.shape, 1, tuple(units))
-        other_b = ragged_from_full(fb, one_hot)
+        other_b = ragged_from_full(mesh, fb, one_hot)
         for name, b in (("replicate", replicate_b), ("shard0", shard_b), ("other ragged", other_b)):
             expected_ragged(a + b, fa + fb, layout, f"a + {name} {layout}")
             expected_ragged(a.clone().mul_(b), fa * fb, layout, f"a.mul_({name}) {layout}")
@@ -429,13 +192,13 @@ LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 
 def autograd_cases(layouts: list[Layout]) -> int:
     """Gradients of losses built from elementwise ops and reductions equal the full tensor's."""
-    mesh_of(None)
+    mesh = mesh_of(None)
     checks = 0
     for layout in layouts:
         fa, fb = full_of(layout.seed, layout.shape), full_of(layout.seed + 1, layout.shape)
         for name, loss_fn in LOSSES.items():
-            a = ragged_from_full(fa, layout, requires_grad=True)
-            b = ragged_from_full(fb, layout)
+            a = ragged_from_full(mesh, fa, layout, requires_grad=True)
+            b = ragged_from_full(mesh, fb, layout)
             loss = loss_fn(a, b)
             loss.backward()
             ref = fa.clone().requires_grad_(True)
@@ -458,11 +221,11 @@ def test_gradients_through_ops(ranks, world: int) -> None:
 
 def random_fill_case(layout: Layout) -> bool:
     """In-place random fills (parameter init) run locally: placement kept, every element drawn."""
-    mesh_of(None)
-    x = ragged_from_full(torch.full(layout.shape, -5.0), layout)
+    mesh = mesh_of(None)
+    x = ragged_from_full(mesh, torch.full(layout.shape, -5.0), layout)
     with CommDebugMode() as mode:
         x.uniform_(0.0, 1.0)
-        y = torch.nn.init.normal_(ragged_from_full(torch.zeros(layout.shape), layout), 3.0, 0.1)
+        y = torch.nn.init.normal_(ragged_from_full(mesh, torch.zeros(layout.shape), layout), 3.0, 0.1)
     assert mode.get_total_counts() == 0
     assert x.placements[-1] == layout.placement and y.placements[-1] == layout.placement
     full_x, full_y = x.full_tensor(), y.full_tensor()

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ragged_dtensor import RaggedShard, distribute_tensor, local_shaped
 from tests.harness import device_mesh
+from tests.ragged_dtensor.cases import expected_local, ragged_slice, random_units
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64)
 
@@ -32,18 +33,6 @@ class Case:
     other_k: int
     other_units: tuple[int, ...]
     dtype: torch.dtype
-
-
-def random_units(rng: random.Random, world: int) -> list[int]:
-    kind = rng.random()
-    if kind < 0.25:
-        units = [0] * world
-        units[rng.randrange(world)] = rng.randint(1, 3)
-        return units
-    units = [rng.choice([0, 1, 1, 2, 3, 5]) for _ in range(world)]
-    if sum(units) == 0:
-        units[rng.randrange(world)] = 1
-    return units
 
 
 def draw_cases(world: int, n: int, seed: int) -> list[Case]:
@@ -68,34 +57,10 @@ def draw_cases(world: int, n: int, seed: int) -> list[Case]:
     return cases
 
 
-def full_of(case: Case) -> torch.Tensor:
+def integer_full(case: Case) -> torch.Tensor:
     gen = torch.Generator().manual_seed(case.seed)
     values = torch.randint(-1000, 1000, case.shape, generator=gen)
     return values.to(case.dtype) / (1 if case.dtype == torch.int64 else 8)
-
-
-def ragged_slice(full: torch.Tensor, k: int, units: tuple[int, ...], rank: int) -> torch.Tensor:
-    rows_per_unit = math.prod(full.shape[:k]) // sum(units)
-    per_unit = rows_per_unit * math.prod(full.shape[k:])
-    start = sum(units[:rank]) * per_unit
-    return full.reshape(-1)[start : start + units[rank] * per_unit]
-
-
-def shard_slice(full: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
-    chunks = list(torch.chunk(full, world, dim)) if full.shape[dim] else []
-    if rank < len(chunks):
-        return chunks[rank]
-    shape = list(full.shape)
-    shape[dim] = 0
-    return full.new_empty(shape)
-
-
-def expected_local(full: torch.Tensor, placement, world: int, rank: int) -> torch.Tensor:
-    if isinstance(placement, RaggedShard):
-        return ragged_slice(full, len(placement.dims), placement.local_units, rank)
-    if isinstance(placement, Shard):
-        return shard_slice(full, placement.dim, world, rank)
-    return full
 
 
 def assert_local(dt: DTensor, full: torch.Tensor, placement, what: str) -> None:
@@ -113,7 +78,7 @@ def round_trip_cases(cases: list[Case]) -> int:
     world, rank = dist.get_world_size(), dist.get_rank()
     checks = 0
     for case in cases:
-        full = full_of(case)
+        full = integer_full(case)
         src = RaggedShard(tuple(range(case.k)), case.units)
         local = ragged_slice(full, case.k, src.local_units, rank).clone()
         dt = DTensor.from_local(local, mesh, [src], shape=full.shape, stride=full.stride(),

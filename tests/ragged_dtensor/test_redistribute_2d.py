@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ragged_dtensor import RaggedShard, distribute_tensor
 from tests.harness import device_mesh
-from tests.ragged_dtensor.test_redistribute import expected_local
+from tests.ragged_dtensor.cases import expected_local
 
 
 def hsdp_cases(cases: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]) -> int:

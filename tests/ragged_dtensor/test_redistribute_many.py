@@ -14,7 +14,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from ragged_dtensor import RaggedShard, distribute_tensor, redistribute_many
 from tests.harness import device_mesh
-from tests.ragged_dtensor.test_redistribute import expected_local
+from tests.ragged_dtensor.cases import expected_local
 
 
 def collectives(mode: CommDebugMode) -> dict[str, int]:
@@ -144,3 +144,51 @@ def test_single_redistributions_use_the_documented_collectives(ranks) -> None:
     assert counts["backward of ragged->replicate"] == {}
     assert sum(counts["ragged->replicate"].values()) == 1, counts
 
+
+
+def _align16(nbytes: int) -> int:
+    return -(-nbytes // 16) * 16
+
+
+def shard_to_ragged_bytes_case(shape: tuple[int, ...], cases: list) -> list[tuple[int, int]]:
+    """Shard(d) -> RaggedShard moves only the elements that change owner: the bytes received
+    from every other rank (less its 16-byte status header, pieces 16-byte aligned) equal the
+    elements that rank holds under Shard(d) and this rank holds under RaggedShard, counted by
+    brute force over element indices."""
+    mesh = device_mesh(dist.get_world_size())
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ids = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
+    seen: list[list[int]] = []
+    original = dist.all_to_all_single
+
+    def recording(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        seen.append(list(output_split_sizes))
+        return original(output, input, output_split_sizes, input_split_sizes, **kwargs)
+
+    results = []
+    for dim, units in cases:
+        target = RaggedShard((0,), units)
+        source = distribute_tensor(ids, mesh, [Shard(dim)])
+        seen.clear()
+        dist.all_to_all_single = recording
+        try:
+            moved = source.redistribute(mesh, [target])
+        finally:
+            dist.all_to_all_single = original
+        assert torch.equal(moved.to_local(), expected_local(ids, target, world, rank))
+        assert len(seen) == 1, seen
+        mine = set(expected_local(ids, target, world, rank).long().tolist())
+        for p in range(world):
+            if p == rank:
+                continue
+            theirs = set(expected_local(ids, Shard(dim), world, p).reshape(-1).long().tolist())
+            results.append((seen[0][p] - 16, _align16(4 * len(mine & theirs))))
+    return results
+
+
+def test_shard_to_ragged_moves_only_elements_that_change_owner(ranks) -> None:
+    shape = (8, 6, 5)
+    cases = [(0, (1, 0, 2, 1)), (1, (1, 0, 2, 1)), (2, (0, 0, 1, 0)), (1, (2, 2, 2, 2))]
+    for per_rank in ranks.run(4, shard_to_ragged_bytes_case, shape, cases):
+        for got, want in per_rank:
+            assert got == want

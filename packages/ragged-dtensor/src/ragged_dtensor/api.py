@@ -17,7 +17,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from ragged_dtensor import ragged_math
-from ragged_dtensor.placement import RaggedShard
+from ragged_dtensor.placement import RaggedShard, find_ragged
 from ragged_dtensor.redistribute import redistribute_ragged_local_tensor
 
 
@@ -48,7 +48,7 @@ def distribute_tensor(
         ValueError: if a RaggedShard does not fit the shape or its mesh dimension (raised on
             every rank alike, since every rank checks the same global facts).
     """
-    if placements is None or not any(isinstance(p, RaggedShard) for p in placements):
+    if placements is None or find_ragged(placements) is None:
         return torch_distribute_tensor(
             tensor, device_mesh, placements, src_data_rank=src_data_rank
         )
@@ -93,10 +93,10 @@ def local_shaped(dtensor: DTensor) -> torch.Tensor:
         ValueError: if the local tensor's size is not whole prefix rows.
     """
     local = dtensor.to_local()
-    ragged = [(dim, p) for dim, p in enumerate(dtensor.placements) if isinstance(p, RaggedShard)]
-    if not ragged:
+    found = find_ragged(dtensor.placements)
+    if found is None:
         return local
-    (mesh_dim, placement), shape = ragged[0], tuple(dtensor.shape)
+    (mesh_dim, placement), shape = found, tuple(dtensor.shape)
     k = len(placement.dims)
     coord = dtensor.device_mesh.get_local_rank(mesh_dim)
     rows = ragged_math.unit_rows(shape, k, placement.local_units) * placement.local_units[coord]

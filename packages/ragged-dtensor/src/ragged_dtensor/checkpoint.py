@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate
 
 from ragged_dtensor.flat_boxes import Box, box_first_index, box_strides, flat_range_boxes
-from ragged_dtensor.placement import RaggedShard
+from ragged_dtensor.placement import RaggedShard, find_ragged
 
 _HOOKS = ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__")
 
@@ -42,10 +42,7 @@ def _ragged_placement(dtensor: DTensor) -> tuple[int, RaggedShard] | None:
     Raises:
         ValueError: if another mesh dim is not ``Replicate`` (no checkpoint layout for it).
     """
-    found = None
-    for mesh_dim, placement in enumerate(dtensor.placements):
-        if isinstance(placement, RaggedShard):
-            found = (mesh_dim, placement)
+    found = find_ragged(dtensor.placements)
     if found is not None and not all(
         isinstance(p, (Replicate, RaggedShard)) for p in dtensor.placements
     ):

@@ -151,3 +151,45 @@ class RaggedShard(Placement):
         return f"RaggedShard(dims={self._dims}, local_units={self._local_units})", {
             "RaggedShard": RaggedShard
         }
+
+
+def ragged_mesh_dims(placements: Sequence[Placement]) -> tuple[int, ...]:
+    """Every mesh dim carrying a ``RaggedShard`` in ``placements`` (the one place that asks).
+
+    Args:
+        placements: a DTensor's placements, one per mesh dim.
+
+    Returns:
+        The mesh dims, in order (the package supports at most one).
+    """
+    return tuple(i for i, p in enumerate(placements) if isinstance(p, RaggedShard))
+
+
+def find_ragged(placements: Sequence[Placement]) -> tuple[int, RaggedShard] | None:
+    """The first mesh dim carrying a ``RaggedShard`` in ``placements`` and that placement.
+
+    Args:
+        placements: a DTensor's placements, one per mesh dim.
+
+    Returns:
+        ``(mesh_dim, placement)``, or ``None`` when no placement is a ``RaggedShard``.
+    """
+    dims = ragged_mesh_dims(placements)
+    if not dims:
+        return None
+    placement = placements[dims[0]]
+    assert isinstance(placement, RaggedShard)
+    return dims[0], placement
+
+
+def ragged_mesh_dim(placements: Sequence[Placement]) -> int | None:
+    """The mesh dim carrying a ``RaggedShard`` in ``placements``, or ``None``.
+
+    Args:
+        placements: a DTensor's placements, one per mesh dim.
+
+    Returns:
+        The mesh dim, or ``None`` when no placement is a ``RaggedShard``.
+    """
+    found = find_ragged(placements)
+    return None if found is None else found[0]

@@ -11,13 +11,17 @@ RaggedShard input gets one of three plans:
   ``fill_``, ``zero_``, ``clone``, ``detach``): every input of the op's full shape is brought to
   the placement of the first ragged input (the mutated one for in-place ops), scalar-like
   inputs to ``Replicate``; the op runs on the 1-D local runs with no communication when the
-  inputs already agree, and the output keeps the ragged placement;
+  inputs already agree, and the output keeps the ragged placement. On the pending-gradient
+  layout ``(Partial(), RaggedShard)`` linear ops keep the Partial; any other op has its
+  Partial mesh dims reduced first (an all-reduce on those dims only);
 * **partial** (``sum`` of all elements): the local sums become a ``Partial("sum")`` output;
   norms, ``max``/``min`` and ``mean`` are handled in :mod:`ragged_dtensor.reductions`;
-* **gather** (anything else: dim-wise reductions, broadcasting against a non-scalar, matmul,
-  views): ragged inputs are redistributed to ``Replicate`` and torch's own strategy runs on
-  the full tensors. It is correct but moves the whole tensor, and it cannot write back, so a
-  mutating op that would need it raises instead.
+* **gather** (anything else that does not alias its input: dim-wise reductions,
+  broadcasting against a non-scalar, matmul): ragged inputs are redistributed to
+  ``Replicate`` and torch's own strategy runs on the full tensors. It is correct for reading
+  but moves the whole tensor, and it cannot write back, so a mutating op that would need it
+  raises instead, and so does every view op (a view would be a gathered copy): reshapes are
+  local aliases (:mod:`ragged_dtensor.views`), the others are refused.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ from torch.distributed.tensor._sharding_prop import LocalLRUCache, ShardingPropa
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ragged_dtensor import reductions
-from ragged_dtensor.placement import RaggedShard
+from ragged_dtensor import reductions, views
+from ragged_dtensor.placement import RaggedShard, ragged_mesh_dim
 
 aten = torch.ops.aten
 
@@ -74,17 +78,9 @@ PARTIAL_REDUCTIONS: dict[Any, str] = {aten.sum.default: "sum"}
 _FOREACH_PREFIX = "aten::_foreach_"
 
 
-def ragged_mesh_dim(spec: DTensorSpec) -> int | None:
-    """The mesh dim carrying a ``RaggedShard`` in ``spec``, or ``None``."""
-    for mesh_dim, placement in enumerate(spec.placements):
-        if isinstance(placement, RaggedShard):
-            return mesh_dim
-    return None
-
-
 def is_ragged(spec: object) -> bool:
     """Whether ``spec`` is a DTensorSpec with a ``RaggedShard`` placement."""
-    return isinstance(spec, DTensorSpec) and ragged_mesh_dim(spec) is not None
+    return isinstance(spec, DTensorSpec) and ragged_mesh_dim(spec.placements) is not None
 
 
 def replicated_spec(spec: DTensorSpec) -> DTensorSpec:
@@ -93,12 +89,32 @@ def replicated_spec(spec: DTensorSpec) -> DTensorSpec:
     return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
 
 
-def _is_hsdp_ragged(spec: DTensorSpec) -> bool:
-    """One RaggedShard, every other mesh dim Replicate: the layouts ops can run on locally."""
+def _is_local_layout(spec: DTensorSpec) -> bool:
+    """One RaggedShard, every other mesh dim Replicate or Partial: the layouts whose local runs
+    line up element by element across tensors of the same placements (HSDP parameters are
+    ``(Replicate(), RaggedShard)``, their pending gradients ``(Partial(), RaggedShard)``)."""
     kinds = [isinstance(p, RaggedShard) for p in spec.placements]
     return sum(kinds) == 1 and all(
-        ragged or isinstance(p, Replicate) for ragged, p in zip(kinds, spec.placements)
+        ragged or p.is_replicate() or p.is_partial() for ragged, p in zip(kinds, spec.placements)
     )
+
+
+def _reduced(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """``placements`` with every Partial mesh dim reduced to Replicate (the ragged dim kept)."""
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
+def _base_name(op: torch._ops.OpOverload) -> str:
+    """``aten::_foreach_mul_`` -> ``mul``: the op's name without namespace, foreach or ``_``."""
+    name = op._schema.name.split("::")[-1]
+    if name.startswith("_foreach_"):
+        name = name[len("_foreach_"):]
+    return name[:-1] if name.endswith("_") else name
+
+
+#: ops linear in their full-shape inputs alone (no scalar operand that is not scaled too)
+_LINEAR_UNARY = frozenset({"neg", "zero", "clone", "detach", "alias", "zeros_like", "copy",
+                           "_to_copy"})
 
 
 def _packet_is_elementwise(name: str) -> bool:
@@ -207,23 +223,58 @@ def _with_placements(spec: DTensorSpec, placements: tuple[Placement, ...]) -> DT
     return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
 
 
-def _plan_local_group(group: Sequence[_Leaf]) -> dict[int, DTensorSpec] | None:
-    """Desired input specs for running one elementwise group on the local runs, or ``None``.
+def _keeps_partial(op: torch._ops.OpOverload, group: Sequence[_Leaf], target: DTensorSpec) -> bool:
+    """Whether an elementwise group can run on pending (Partial-sum) runs without reducing them.
+
+    True for linear ops: scaling by a scalar (``mul``, ``div`` of the pending tensor), ``neg``,
+    ``add``/``sub`` of two tensors pending the same reduction, ``zero_``, ``copy_`` of a like
+    tensor, ``clone``. Adding a scalar, multiplying two pending tensors, ``sqrt`` and the like
+    are not (each replica would add the scalar once), so they reduce the Partial dims first.
+    """
+    if not all(reductions.is_linear_partial(p) for p in target.placements if p.is_partial()):
+        return False
+    full = [leaf for leaf in group if leaf.spec.shape == target.shape]
+    scalars = [leaf for leaf in group if leaf.spec.shape != target.shape]
+    if any(leaf.spec.placements != target.placements for leaf in full):
+        return False
+    if any(not all(p.is_replicate() for p in leaf.spec.placements) for leaf in scalars):
+        return False
+    base = _base_name(op)
+    if base == "mul":
+        return len(full) == 1
+    if base == "div":
+        return len(full) == 1 and group[0] is full[0]
+    if base in ("add", "sub"):
+        return len(full) == 2 and not scalars
+    return base in _LINEAR_UNARY and not scalars
+
+
+def _plan_local_group(
+    op: torch._ops.OpOverload, group: Sequence[_Leaf]
+) -> tuple[dict[int, DTensorSpec], tuple[Placement, ...]] | None:
+    """Desired input specs and the output placements for running one elementwise group on the
+    local runs, or ``None``.
 
     The target is the first mutated input, else the first ragged one; full-shape inputs move
-    to the target's placements, scalar-like ones to Replicate. ``None`` when any input cannot
-    (a non-scalar broadcast, a mutated input not already on the target, a non-HSDP layout).
+    to the output placements, scalar-like ones to Replicate. The output placements are the
+    target's, except that a target pending a reduction (Partial mesh dims) keeps it only for
+    linear ops and is reduced on those dims alone (no gather of the ragged dim) for any other
+    op. ``None`` when any input cannot (a non-scalar broadcast, a mutated input not already on
+    the output placements, another layout).
     """
     target = _group_target(group)
-    if not is_ragged(target) or not _is_hsdp_ragged(target):
+    if not is_ragged(target) or not _is_local_layout(target):
         return None
+    placements = target.placements
+    if any(p.is_partial() for p in placements) and not _keeps_partial(op, group, target):
+        placements = _reduced(placements)
     desired: dict[int, DTensorSpec] = {}
     for leaf in group:
         spec = leaf.spec
         if spec.mesh != target.mesh:
             return None
         if spec.shape == target.shape:
-            want = _with_placements(spec, target.placements)
+            want = _with_placements(spec, placements)
         elif _is_scalar_like(spec):
             want = _all_replicate(spec)
         else:
@@ -231,7 +282,7 @@ def _plan_local_group(group: Sequence[_Leaf]) -> dict[int, DTensorSpec] | None:
         if leaf.mutated and want.placements != spec.placements:
             return None
         desired[leaf.index] = want
-    return desired
+    return desired, placements
 
 
 def _group_target(group: Sequence[_Leaf]) -> DTensorSpec:
@@ -249,10 +300,11 @@ def _output_metas(out_meta: object) -> list[TensorMeta | None]:
     return list(out_meta)  # type: ignore[arg-type]
 
 
-def _ragged_output(target: DTensorSpec, meta: TensorMeta | None) -> DTensorSpec | None:
+def _ragged_output(target: DTensorSpec, placements: tuple[Placement, ...],
+                   meta: TensorMeta | None) -> DTensorSpec | None:
     if meta is None:
         return None
-    return DTensorSpec(target.mesh, target.placements, tensor_meta=meta)
+    return DTensorSpec(target.mesh, placements, tensor_meta=meta)
 
 
 def _shapes_match(meta: TensorMeta | None, target: DTensorSpec) -> bool:
@@ -284,7 +336,9 @@ class RaggedPropagator:
     # -- partial reductions -------------------------------------------------------------
     def _plan_partial(self, op_schema: OpSchema) -> OutputSharding | None:
         specs = [a for a in op_schema.args_schema if isinstance(a, DTensorSpec)]
-        if len(specs) != 1 or not _is_hsdp_ragged(specs[0]):
+        if len(specs) != 1 or not _is_local_layout(specs[0]):
+            return None
+        if not all(reductions.is_linear_partial(p) for p in specs[0].placements if p.is_partial()):
             return None
         reduce_op = PARTIAL_REDUCTIONS[op_schema.op]
         spec = specs[0]
@@ -311,9 +365,10 @@ class RaggedPropagator:
                     return None
                 delegated.append(i)
                 continue
-            plan = _plan_local_group(group)
-            if plan is None:
+            planned = _plan_local_group(op_schema.op, group)
+            if planned is None:
                 return None
+            plan, placements = planned
             target = _group_target(group)
             slots = ([i] if out_metas else []) if foreach else list(range(len(out_metas)))
             if not all(_shapes_match(out_metas[j], target) for j in slots):
@@ -322,7 +377,7 @@ class RaggedPropagator:
                 if desired.setdefault(index, spec).placements != spec.placements:
                     return None
             for j in slots:
-                outputs[j] = _ragged_output(target, out_metas[j])
+                outputs[j] = _ragged_output(target, placements, out_metas[j])
         # keyword tensors (``out=``) are never redistributed by the dispatcher
         for leaf in kwarg_leaves:
             if leaf.index in desired and desired[leaf.index].placements != leaf.spec.placements:
@@ -416,6 +471,9 @@ class RaggedPropagator:
     # -- everything else: gather ----------------------------------------------------------
     def _plan_gather(self, op_schema: OpSchema) -> OutputSharding:
         leaves, treespec, groups, kwarg_leaves = _leaf_groups(op_schema)
+        if views.is_aliasing(op_schema.op):
+            ragged = next(leaf for leaf in leaves if is_ragged(leaf))
+            raise views.alias_error(op_schema.op, ragged.placements)
         for group in groups:
             for leaf in group:
                 if leaf.mutated and is_ragged(leaf.spec):
@@ -456,6 +514,7 @@ def install() -> None:
     full-reduction handlers of :mod:`ragged_dtensor.reductions` are registered too.
     """
     reductions.install()
+    views.install()
     propagator = DTensor._op_dispatcher.sharding_propagator
     if isinstance(propagator.propagate_op_sharding_non_cached, RaggedPropagator):
         return

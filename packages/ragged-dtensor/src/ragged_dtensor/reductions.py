@@ -29,7 +29,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
-from ragged_dtensor.placement import RaggedShard
+from ragged_dtensor.identities import reduction_identity
+from ragged_dtensor.placement import RaggedShard, ragged_mesh_dim
 
 aten = torch.ops.aten
 
@@ -39,7 +40,35 @@ _NOT_HANDLED = object()
 
 
 def _is_ragged_dtensor(x: object) -> bool:
-    return isinstance(x, DTensor) and any(isinstance(p, RaggedShard) for p in x.placements)
+    return isinstance(x, DTensor) and ragged_mesh_dim(x.placements) is not None
+
+
+def is_linear_partial(placement: Placement) -> bool:
+    """A Partial whose pending reduction commutes with linear ops (a sum or an average)."""
+    return type(placement) is Partial and placement.reduce_op in ("sum", "avg")
+
+
+def _settled(x: DTensor) -> DTensor:
+    """``x`` with the Partial mesh dims beside its RaggedShard reduced to Replicate.
+
+    A non-linear reduction of a pending gradient ``(Partial(), RaggedShard)`` needs the summed
+    values; this is one all-reduce on the Partial mesh dims, with no gather of the ragged dim.
+    """
+    if not any(p.is_partial() for p in x.placements):
+        return x
+    placements = tuple(Replicate() if p.is_partial() else p for p in x.placements)
+    return x.redistribute(x.device_mesh, placements)
+
+
+def _raise_if_empty(
+    x: DTensor, op_call: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
+) -> None:
+    """Raise what one device raises for a reduction without identity of an empty tensor.
+
+    The global shape is the same on every rank, so every rank raises alike.
+    """
+    if x.numel() == 0:
+        op_call(torch.empty(x.shape, dtype=x.dtype), *args[1:], **kwargs)
 
 
 def dispatch_default(
@@ -83,14 +112,17 @@ def dispatch_with_identity(
     return dispatch_default(op_call, args, kwargs)
 
 
-def _partial_placements(x: DTensor, partial: Placement) -> tuple[Placement, ...] | None:
+def _partial_placements(
+    x: DTensor, partial: Placement, linear: bool = False
+) -> tuple[Placement, ...] | None:
     """Output placements of a full reduction: ``partial`` on the ragged mesh dim, Replicate
-    elsewhere; ``None`` if another mesh dim is not Replicate (no local rule for it)."""
+    kept elsewhere, and for a ``linear`` reduction (``mean``) a pending sum kept too; ``None``
+    if another mesh dim has no local rule."""
     out: list[Placement] = []
     for p in x.placements:
         if isinstance(p, RaggedShard):
             out.append(partial)
-        elif isinstance(p, Replicate):
+        elif isinstance(p, Replicate) or (linear and is_linear_partial(p)):
             out.append(p)
         else:
             return None
@@ -101,16 +133,6 @@ def _wrap_scalar(local: torch.Tensor, x: DTensor, placements: tuple[Placement, .
     meta = TensorMeta(shape=torch.Size([]), stride=(), dtype=local.dtype)
     spec = DTensorSpec(x.device_mesh, placements, tensor_meta=meta)
     return DTensor._op_dispatcher.wrap(local, spec)  # type: ignore[return-value]
-
-
-def _extreme(dtype: torch.dtype, largest: bool) -> float | int | bool:
-    """The identity of ``min`` (largest value) or of ``max`` (smallest value) for ``dtype``."""
-    if dtype == torch.bool:
-        return largest
-    if dtype.is_floating_point:
-        return math.inf if largest else -math.inf
-    info = torch.iinfo(dtype)
-    return info.max if largest else info.min
 
 
 def _norm_partial(ord: float) -> Placement | None:
@@ -138,6 +160,7 @@ def _vector_norm(x: DTensor, ord: float, dim: object, keepdim: bool, dtype: torc
     if dim not in (None, [], ()) or keepdim:
         return _NOT_HANDLED
     partial = _norm_partial(float(ord))
+    x = _settled(x)
     placements = None if partial is None else _partial_placements(x, partial)
     if placements is None:
         return _NOT_HANDLED
@@ -152,6 +175,8 @@ def vector_norm_handler(
     if _is_ragged_dtensor(x):
         names = ("ord", "dim", "keepdim")
         params = {"ord": 2, "dim": None, "keepdim": False, **dict(zip(names, rest)), **kwargs}
+        if math.isinf(float(params["ord"])):
+            _raise_if_empty(x, op_call, args, kwargs)
         out = _vector_norm(x, params["ord"], params["dim"], params["keepdim"],
                            params.get("dtype"))
         if out is not _NOT_HANDLED:
@@ -164,8 +189,8 @@ def vector_norm_handler(
 
 def _local_extreme(local: torch.Tensor, largest: bool) -> torch.Tensor:
     if local.numel() == 0:
-        return torch.full((), _extreme(local.dtype, not largest), dtype=local.dtype,
-                          device=local.device)
+        identity = reduction_identity("max" if largest else "min", local.dtype)
+        return torch.full((), identity, dtype=local.dtype, device=local.device)
     return local.max() if largest else local.min()
 
 
@@ -182,11 +207,16 @@ def extreme_handler(
             keepdim = bool(args[2]) if len(args) > 2 else bool(kwargs.get("keepdim", False))
             ndim = x.ndim
             full = not keepdim and (not dim or sorted(d % ndim for d in dim) == list(range(ndim)))
+        if full:
+            _raise_if_empty(x, op_call, args, kwargs)
+            x = _settled(x)
         placements = _partial_placements(x, Partial("max" if largest else "min"))
         if full and placements is not None:
             return _wrap_scalar(_local_extreme(x._local_tensor, largest), x, placements)
     largest = op_call in (aten.max.default, aten.amax.default)
-    return dispatch_with_identity(op_call, args, kwargs, lambda dtype: _extreme(dtype, not largest))
+    reduce_op = "max" if largest else "min"
+    return dispatch_with_identity(op_call, args, kwargs,
+                                  lambda dtype: reduction_identity(reduce_op, dtype))
 
 
 def mean_handler(
@@ -196,7 +226,7 @@ def mean_handler(
     x = args[0]
     dtype = kwargs.get("dtype")
     if _is_ragged_dtensor(x) and (dtype or x.dtype).is_floating_point:
-        placements = _partial_placements(x, Partial("sum"))
+        placements = _partial_placements(x, Partial("sum"), linear=True)
         if placements is not None:
             local = x._local_tensor.sum(dtype=dtype) / x.numel()
             return _wrap_scalar(local, x, placements)
