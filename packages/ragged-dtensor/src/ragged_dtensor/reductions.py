@@ -272,18 +272,27 @@ HANDLERS: dict[Any, Handler] = {
 }
 
 
-def install() -> None:
-    """Register the reduction handlers in DTensor's custom-op table (idempotent).
+def register_handlers(handlers: dict[Any, Handler]) -> None:
+    """Put ``handlers`` into DTensor's custom-op table (idempotent).
 
     Raises:
         RuntimeError: if torch already has its own handler for one of these ops (a newer
-            torch would need this module revisited rather than silently overridden).
+            torch would need this package revisited rather than silently overridden).
     """
     table = DTensor._op_dispatcher._custom_op_handlers
-    for op, handler in HANDLERS.items():
+    for op, handler in handlers.items():
         current = table.get(op)
         if current is handler:
             continue
         if current is not None:
             raise RuntimeError(f"DTensor already has a custom handler for {op}: {current}")
         table[op] = handler
+
+
+def install() -> None:
+    """Register the reduction handlers in DTensor's custom-op table (idempotent).
+
+    Raises:
+        RuntimeError: if torch already has its own handler for one of these ops.
+    """
+    register_handlers(HANDLERS)

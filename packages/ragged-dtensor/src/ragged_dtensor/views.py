@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ragged_dtensor.placement import RaggedShard, find_ragged
-from ragged_dtensor.reductions import dispatch_default
+from ragged_dtensor.reductions import dispatch_default, register_handlers
 
 aten = torch.ops.aten
 
@@ -86,11 +86,4 @@ def install() -> None:
     Raises:
         RuntimeError: if torch already has its own handler for one of these ops.
     """
-    table = DTensor._op_dispatcher._custom_op_handlers
-    for op in RESHAPE_OPS:
-        current = table.get(op)
-        if current is reshape_handler:
-            continue
-        if current is not None:
-            raise RuntimeError(f"DTensor already has a custom handler for {op}: {current}")
-        table[op] = reshape_handler
+    register_handlers({op: reshape_handler for op in RESHAPE_OPS})
