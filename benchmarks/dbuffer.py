@@ -26,22 +26,22 @@ Run: ``python benchmarks/dbuffer.py [--iters N] [--dim D] [--hidden H]``; writes
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-# This script is named like the package it measures: keep its folder off the import path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# This script is named like the package it measures: its folder goes last on the import path,
+# so `import dbuffer` finds the package while the shared benchmark helpers stay importable.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from gloo_ranks import run_on_gloo_ranks  # noqa: E402
 from torch import nn  # noqa: E402
 
 WORLD_SIZE = 4
@@ -190,11 +190,8 @@ def _copies(fn: Any) -> dict[str, Any]:
     return summary
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE,
-                            timeout=datetime.timedelta(seconds=600))
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Both sides on this rank, interleaved; every rank returns its report (rank 0's is kept)."""
     shapes = layer_shapes(args.dim, args.hidden, args.dim // 4)
     report: dict[str, Any] = {}
     for mode, compute in (("fp32", None), ("bf16_compute_fp32_reduce", torch.bfloat16)):
@@ -230,9 +227,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
             "reduce_scatter_time_fsdp2_over_dbuffer": f["reduce_scatter_ms"] / d["reduce_scatter_ms"],
         }
         report[mode] = entry
-    if rank == 0:
-        queue.put(report)
-    dist.destroy_process_group()
+    return report
 
 
 def gpu_kernel_bandwidth(numel: int, peak_gbps: float | None) -> dict[str, Any]:
@@ -270,12 +265,6 @@ def gpu_kernel_bandwidth(numel: int, peak_gbps: float | None) -> dict[str, Any]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _issued(entry: dict[str, Any]) -> tuple[int, int]:
     c = entry["copies"]
     return (c["all_gather"]["issued"]["bytes"] + c["reduce_scatter"]["issued"]["bytes"],
@@ -302,15 +291,7 @@ def main() -> None:
     # allocator does on GPUs (the ranks inherit these settings).
     for var in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         os.environ.setdefault(var, str(1 << 30))
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(WORLD_SIZE)]
-    for proc in procs:
-        proc.start()
-    report = queue.get(timeout=1800)
-    for proc in procs:
-        proc.join()
+    report = run_on_gloo_ranks(_measure, WORLD_SIZE, args)
 
     shapes = layer_shapes(args.dim, args.hidden, args.dim // 4)
     numel = sum(int(torch.Size(s).numel()) for s in shapes.values())

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_on_gloo_ranks
 
 WORLD = 4
 
@@ -67,10 +66,9 @@ def _progress(rank: int, name: str, results: dict[str, list[float]]) -> None:
         print(f"rank 0 {name}: {[round(t * 1e3, 1) for t in results[name]]} ms", flush=True)
 
 
-def _worker(rank: int, port: int, layers: int, dim: int, steps: int, out: Any) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _measure(layers: int, dim: int, steps: int) -> dict[str, Any] | None:
+    """Every variant on this rank; rank 0 returns the slowest rank's step times."""
+    rank = dist.get_rank()
     from layout_planner import TensorSpec, plan
     from ragged_dtensor import RaggedShard
     from torch.distributed.device_mesh import init_device_mesh
@@ -117,14 +115,14 @@ def _worker(rank: int, port: int, layers: int, dim: int, steps: int, out: Any) -
 
     gathered: list[Any] = [None] * WORLD
     dist.all_gather_object(gathered, results)
-    if rank == 0:
-        # A step takes as long as its slowest rank.
-        per_step = {k: [max(r[k][s] for r in gathered) for s in range(steps)] for k in results}
-        out.put({
-            "per_step_s": per_step, "loads_flops": loads, "imbalance_max_over_mean": imbalance(loads),
-            "matrices": len(plan_.pieces), "cut_matrices": cut, "padding_elements": layout.padding,
-        })
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    # A step takes as long as its slowest rank.
+    per_step = {k: [max(r[k][s] for r in gathered) for s in range(steps)] for k in results}
+    return {
+        "per_step_s": per_step, "loads_flops": loads, "imbalance_max_over_mean": imbalance(loads),
+        "matrices": len(plan_.pieces), "cut_matrices": cut, "padding_elements": layout.padding,
+    }
 
 
 def main() -> None:
@@ -133,20 +131,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, port, args.layers, args.dim, args.steps, queue))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    raw = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
+    raw = run_on_gloo_ranks(_measure, WORLD, args.layers, args.dim, args.steps)
     median = {k: statistics.median(v) for k, v in raw["per_step_s"].items()}
     result = {
         "benchmark": "Muon optimizer step, 4 gloo ranks, 1 thread each, Newton-Schulz in bf16",

@@ -13,18 +13,17 @@ Writes ``benchmarks/results/ragged_redistribute.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_on_gloo_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -95,19 +94,14 @@ def _scenarios(rows: int, cols: int) -> list[tuple[str, str, Callable[[], object
     ]
 
 
-def _worker(rank: int, port: int, rows: int, cols: int, iters: int, queue: mp.Queue) -> None:
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=300))
+def _measure(rows: int, cols: int, iters: int) -> list[dict[str, Any]]:
+    """Every scenario on this rank, ragged and torch alternated."""
     rows_out = []
     for ragged_name, torch_name, ragged_fn, torch_fn in _scenarios(rows, cols):
         ragged_s, torch_s = _time_pair(ragged_fn, torch_fn, iters)
         rows_out.append({"ragged": ragged_name, "torch": torch_name, "ragged_ms": ragged_s * 1e3,
                          "torch_ms": torch_s * 1e3, "ratio": ragged_s / torch_s})
-    if rank == 0:
-        queue.put(rows_out)
-    dist.destroy_process_group()
+    return rows_out
 
 
 def main() -> None:
@@ -116,18 +110,7 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, args.rows, args.cols, args.iters, queue))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
+    results = run_on_gloo_ranks(_measure, WORLD, args.rows, args.cols, args.iters)
     print(f"{WORLD} gloo ranks, fp32 [{args.rows}, {args.cols}], units {UNITS}, median of {args.iters}")
     print(f"{'ragged':50s} {'ms':>8s}   {'torch equivalent':28s} {'ms':>8s}  ratio")
     for row in results:
