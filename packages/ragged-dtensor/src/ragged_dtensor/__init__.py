@@ -6,9 +6,9 @@ idempotent.
 """
 
 from ragged_dtensor import autograd_hooks, checkpoint, propagation, redistribute
-from ragged_dtensor.api import distribute_tensor, local_shaped
+from ragged_dtensor.api import distribute_tensor, from_local_run, local_shaped
 from ragged_dtensor.consensus import raise_on_any_rank
-from ragged_dtensor.placement import RaggedShard
+from ragged_dtensor.placement import RaggedShard, is_ragged
 from ragged_dtensor.redistribute import redistribute_many
 
 redistribute.install()
@@ -19,6 +19,8 @@ checkpoint.install()
 __all__ = [
     "RaggedShard",
     "distribute_tensor",
+    "from_local_run",
+    "is_ragged",
     "local_shaped",
     "raise_on_any_rank",
     "redistribute_many",

@@ -7,6 +7,7 @@ then cuts the ragged run locally (no extra communication).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -17,7 +18,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from ragged_dtensor import ragged_math
-from ragged_dtensor.placement import RaggedShard, find_ragged
+from ragged_dtensor.autograd_hooks import local_run_error
+from ragged_dtensor.placement import RaggedShard, find_ragged, is_ragged
 from ragged_dtensor.redistribute import redistribute_ragged_local_tensor
 
 
@@ -73,6 +75,45 @@ def distribute_tensor(
     )
     local = redistribute_ragged_local_tensor(replicated._local_tensor, replicated._spec, target)
     return DTensor(local, target, requires_grad=tensor.requires_grad)
+
+
+def from_local_run(
+    local: torch.Tensor,
+    device_mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: Sequence[int],
+) -> DTensor:
+    """Wrap this rank's run of a tensor as a DTensor, with no communication and no copy.
+
+    The one way the packages build a RaggedShard DTensor from memory they already hold (a
+    DBuffer view, optimizer state, an owner's result): the returned DTensor's local tensor is
+    ``local`` itself (the same Python object, not an alias as ``DTensor.from_local`` makes), so
+    in-place optimizer steps on the DTensor write into ``local`` and anything that fences
+    ``local`` (DBuffer's freed-buffer guard) fences the DTensor too. The global stride is the
+    contiguous one.
+
+    Args:
+        local: this rank's run, 1-D and contiguous for a ``RaggedShard`` placement.
+        device_mesh: the mesh.
+        placements: one placement per mesh dim.
+        shape: the global shape.
+
+    Returns:
+        The DTensor (a leaf; ``requires_grad`` follows ``local``).
+
+    Raises:
+        ValueError: if ``local`` is not the run the placements give this rank (raised on
+            this rank only: the check needs no communication).
+    """
+    shape = torch.Size(shape)
+    placements = tuple(placements)
+    if is_ragged(placements):
+        error = local_run_error(local, device_mesh, placements, shape)
+        if error is not None:
+            raise error
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    spec = DTensorSpec(device_mesh, placements, tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=local.requires_grad)
 
 
 def local_shaped(dtensor: DTensor) -> torch.Tensor:

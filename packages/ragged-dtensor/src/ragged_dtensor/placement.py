@@ -182,6 +182,24 @@ def find_ragged(placements: Sequence[Placement]) -> tuple[int, RaggedShard] | No
     return dims[0], placement
 
 
+def is_ragged(x: object) -> bool:
+    """Whether ``x`` carries a ``RaggedShard``: the one predicate every package asks.
+
+    Args:
+        x: a DTensor, a ``DTensorSpec``, a single placement, or a sequence of placements;
+            anything else (a plain tensor, ``None``) is not ragged.
+
+    Returns:
+        ``True`` when one of its placements is a ``RaggedShard``.
+    """
+    if isinstance(x, RaggedShard):
+        return True
+    placements = getattr(x, "placements", x)
+    if not isinstance(placements, (tuple, list)):
+        return False
+    return any(isinstance(p, RaggedShard) for p in placements)
+
+
 def ragged_mesh_dim(placements: Sequence[Placement]) -> int | None:
     """The mesh dim carrying a ``RaggedShard`` in ``placements``, or ``None``.
 

@@ -39,7 +39,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ragged_dtensor import reductions, views
-from ragged_dtensor.placement import RaggedShard, ragged_mesh_dim
+from ragged_dtensor.placement import RaggedShard, is_ragged
 
 aten = torch.ops.aten
 
@@ -76,11 +76,6 @@ LIKE_OPS: frozenset[Any] = frozenset(
 PARTIAL_REDUCTIONS: dict[Any, str] = {aten.sum.default: "sum"}
 
 _FOREACH_PREFIX = "aten::_foreach_"
-
-
-def is_ragged(spec: object) -> bool:
-    """Whether ``spec`` is a DTensorSpec with a ``RaggedShard`` placement."""
-    return isinstance(spec, DTensorSpec) and ragged_mesh_dim(spec.placements) is not None
 
 
 def replicated_spec(spec: DTensorSpec) -> DTensorSpec:

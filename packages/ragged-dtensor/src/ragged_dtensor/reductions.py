@@ -30,17 +30,13 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
 from ragged_dtensor.identities import reduction_identity
-from ragged_dtensor.placement import RaggedShard, ragged_mesh_dim
+from ragged_dtensor.placement import RaggedShard, is_ragged
 
 aten = torch.ops.aten
 
 Handler = Callable[[torch._ops.OpOverload, tuple[object, ...], dict[str, object]], object]
 
 _NOT_HANDLED = object()
-
-
-def _is_ragged_dtensor(x: object) -> bool:
-    return isinstance(x, DTensor) and ragged_mesh_dim(x.placements) is not None
 
 
 def is_linear_partial(placement: Placement) -> bool:
@@ -172,7 +168,7 @@ def vector_norm_handler(
 ) -> object:
     """``aten.linalg_vector_norm.default`` over all elements of a RaggedShard DTensor."""
     x, *rest = args
-    if _is_ragged_dtensor(x):
+    if is_ragged(x):
         names = ("ord", "dim", "keepdim")
         params = {"ord": 2, "dim": None, "keepdim": False, **dict(zip(names, rest)), **kwargs}
         if math.isinf(float(params["ord"])):
@@ -199,7 +195,7 @@ def extreme_handler(
 ) -> object:
     """``max``/``min`` (and ``amax``/``amin`` over all dims) of a RaggedShard DTensor."""
     x = args[0]
-    if _is_ragged_dtensor(x):
+    if is_ragged(x):
         largest = op_call in (aten.max.default, aten.amax.default)
         full = True
         if op_call in (aten.amax.default, aten.amin.default):
@@ -225,7 +221,7 @@ def mean_handler(
     """``mean`` of all elements: local sums divided by the global numel, summed as a Partial."""
     x = args[0]
     dtype = kwargs.get("dtype")
-    if _is_ragged_dtensor(x) and (dtype or x.dtype).is_floating_point:
+    if is_ragged(x) and (dtype or x.dtype).is_floating_point:
         placements = _partial_placements(x, Partial("sum"), linear=True)
         if placements is not None:
             local = x._local_tensor.sum(dtype=dtype) / x.numel()
@@ -247,7 +243,7 @@ def foreach_norm_handler(
     dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
 
     def alone(t: object) -> bool:
-        return _is_ragged_dtensor(t) or (
+        return is_ragged(t) or (
             math.isinf(float(ord)) and isinstance(t, DTensor) and t._local_tensor.numel() == 0
         )
 
