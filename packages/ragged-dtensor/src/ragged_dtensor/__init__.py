@@ -5,7 +5,7 @@ first-class (redistribution, sharding propagation, checkpoint hooks); installing
 idempotent.
 """
 
-from ragged_dtensor import autograd_hooks, checkpoint, propagation, redistribute
+from ragged_dtensor import autograd_hooks, checkpoint, full_state_dict, propagation, redistribute
 from ragged_dtensor.api import distribute_tensor, from_local_run, local_shaped
 from ragged_dtensor.consensus import raise_on_any_rank
 from ragged_dtensor.placement import RaggedShard, is_ragged
@@ -15,6 +15,7 @@ redistribute.install()
 autograd_hooks.install()
 propagation.install()
 checkpoint.install()
+full_state_dict.install()
 
 __all__ = [
     "RaggedShard",

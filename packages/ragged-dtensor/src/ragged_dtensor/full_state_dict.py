@@ -1,0 +1,216 @@
+"""Loading full (unsharded) state dicts into RaggedShard DTensors.
+
+``set_model_state_dict`` / ``set_optimizer_state_dict`` with ``full_state_dict=True`` turn each
+full tensor into the target DTensor's local piece in ``torch.distributed._state_dict_utils``,
+which knows only torch's placements:
+
+* without ``broadcast_from_rank0``, ``_distribute_state_dict`` calls torch's
+  ``distribute_tensor``, which rejects a ``RaggedShard``;
+* with it, ``_broadcast_state_dict`` hands each tensor to ``_broadcast_tensors``, which
+  broadcasts the FULL tensor to every rank and slices it with
+  ``compute_local_shape_and_global_offset`` (blind to ``RaggedShard``: wrong shapes).
+
+:func:`install` replaces those two names in that module with dispatchers that keep torch's
+code for every other tensor. For a RaggedShard DTensor, without broadcast every rank cuts its
+run from its own full tensor (no communication: every rank holds the full state dict); with
+broadcast rank 0 sends each rank only its run in one ``all_to_all_single`` per tensor,
+received straight into the DTensor's local tensor, so no other rank ever holds the full tensor
+and a parameter is loaded in place (its local tensor keeps its storage, which matters where
+parameters are views of a flat buffer).
+
+The full form of ``get_model_state_dict`` / ``get_optimizer_state_dict`` needs nothing here: it
+redistributes each DTensor to ``Replicate``, which :mod:`ragged_dtensor.redistribute` serves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import _state_dict_utils
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement, Replicate
+
+from ragged_dtensor.api import distribute_tensor as ragged_distribute_tensor
+from ragged_dtensor.api import from_local_run
+from ragged_dtensor.placement import RaggedShard, find_ragged, is_ragged
+
+_SOURCE_RANK = 0  # torch's broadcast_from_rank0 source: global rank 0
+
+
+def _distribute_tensor(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    """``_distribute_state_dict``'s ``distribute_tensor``: a RaggedShard run is cut from this
+    rank's own full tensor (every rank holds the full state dict, so nothing is sent)."""
+    if placements is not None and is_ragged(placements):
+        return ragged_distribute_tensor(tensor, device_mesh, placements, src_data_rank=None)
+    return _TORCH_DISTRIBUTE_TENSOR(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+
+
+def _group_runs(dtensor: DTensor, group: dist.ProcessGroup) -> list[tuple[int, int]]:
+    """The flat run ``[start, end)`` each rank of ``group`` owns, in group-rank order
+    (``(0, 0)`` for a rank outside the DTensor's mesh).
+
+    Raises:
+        ValueError: if a mesh dim other than the ragged one is not ``Replicate`` (raised on
+            every rank alike: placements are the same everywhere).
+    """
+    found = find_ragged(dtensor.placements)
+    assert found is not None
+    mesh_dim, placement = found
+    if not all(isinstance(p, (Replicate, RaggedShard)) for p in dtensor.placements):
+        raise ValueError(
+            f"loading a full tensor into a RaggedShard DTensor needs every other mesh dim to be "
+            f"Replicate, got placements {dtensor.placements}"
+        )
+    shape = tuple(dtensor.shape)
+    by_coordinate = dtensor.device_mesh.mesh.movedim(mesh_dim, 0)
+    coordinate_of = {
+        int(rank): c for c in range(by_coordinate.shape[0]) for rank in by_coordinate[c].reshape(-1)
+    }
+    return [
+        placement.flat_range(shape, coordinate_of[rank]) if rank in coordinate_of else (0, 0)
+        for rank in dist.get_process_group_ranks(group)
+    ]
+
+
+def _send_buffer(full: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """Rank 0's input to the scatter: the runs in group order, one after another (the flat
+    tensor itself, no copy, when they already tile it in order, as on a 1-D mesh)."""
+    flat = full.reshape(-1)
+    ends = [0]
+    for start, end in runs:
+        if start != end and start != ends[-1]:
+            return torch.cat([flat[s:e] for s, e in runs])
+        ends.append(max(end, ends[-1]))
+    return flat if ends[-1] == flat.numel() else torch.cat([flat[s:e] for s, e in runs])
+
+
+def scatter_full_tensor(
+    key: str,
+    full: torch.Tensor | None,
+    size: torch.Size,
+    dtype: torch.dtype,
+    local_state: DTensor,
+    device: torch.device,
+    group: dist.ProcessGroup,
+) -> DTensor:
+    """Load rank 0's full tensor into a RaggedShard DTensor, each rank receiving only its run.
+
+    One ``all_to_all_single`` in which only rank 0 sends. When the DTensor holds real memory of
+    the full tensor's dtype on a device the group can use, the run is received straight into
+    its local tensor and the DTensor itself is returned (loaded in place); a meta DTensor gets
+    a new local run (of the full tensor's dtype, as torch does).
+
+    Args:
+        key: the state-dict key (for errors).
+        full: the full tensor on rank 0; ``None`` elsewhere.
+        size: the full tensor's shape (known on every rank).
+        dtype: the full tensor's dtype (known on every rank).
+        local_state: the RaggedShard DTensor to load into.
+        device: the device of the state dict's tensors.
+        group: the process group rank 0 broadcasts on (all ranks call this).
+
+    Returns:
+        The loaded DTensor.
+
+    Raises:
+        ValueError: on every rank, if the shapes differ or the placements are unsupported.
+    """
+    if tuple(size) != tuple(local_state.shape):
+        raise ValueError(
+            f"full state dict entry {key!r} has shape {tuple(size)} but the RaggedShard "
+            f"DTensor it loads into has shape {tuple(local_state.shape)}"
+        )
+    runs = _group_runs(local_state, group)
+    me = dist.get_rank(group)
+    source = dist.get_group_rank(group, _SOURCE_RANK)
+    group_devices = {d.type for d in group._device_types}
+    comm_device = device if device.type in group_devices else group._device_types[0]
+    local = local_state._local_tensor
+    in_place = (
+        not local_state.is_meta
+        and local.dtype == dtype
+        and local.device == comm_device
+        and local.is_contiguous()
+    )
+    start, end = runs[me]
+    received = local.detach() if in_place else torch.empty(end - start, dtype=dtype, device=comm_device)
+    sizes = [e - s for s, e in runs]
+    if me == source:
+        assert full is not None
+        send = _send_buffer(full.detach().to(comm_device), runs)
+        in_splits = sizes
+    else:
+        send = torch.empty(0, dtype=dtype, device=comm_device)
+        in_splits = [0] * len(runs)
+    out_splits = [0] * len(runs)
+    out_splits[source] = end - start
+    dist.all_to_all_single(received, send, out_splits, in_splits, group=group)
+    if in_place:
+        return local_state
+    if local_state.is_meta:
+        return from_local_run(
+            received.to(device), local_state.device_mesh, local_state.placements, local_state.shape
+        )
+    local.copy_(received)
+    return local_state
+
+
+def _broadcast_tensors(
+    full_state_dict: dict[str, Any],
+    local_state_dict: dict[str, Any],
+    keys: list[str],
+    device: torch.device,
+    pg: dist.ProcessGroup | None = None,
+) -> None:
+    """``_broadcast_state_dict``'s ``_broadcast_tensors``: RaggedShard targets are scattered by
+    :func:`scatter_full_tensor`, the other keys go to torch's function unchanged."""
+    group = pg if pg is not None else dist.distributed_c10d._get_default_group()
+    others = []
+    for key in keys:
+        local_state = local_state_dict.get(key)
+        if not (isinstance(local_state, DTensor) and is_ragged(local_state)):
+            others.append(key)
+            continue
+        value = full_state_dict[key]
+        on_source = dist.get_rank() == _SOURCE_RANK
+        local_state_dict[key] = scatter_full_tensor(
+            key,
+            value if on_source else None,
+            value.size() if on_source else value.size,
+            value.dtype,
+            local_state,
+            device,
+            group,
+        )
+    if others:
+        _TORCH_BROADCAST_TENSORS(full_state_dict, local_state_dict, others, device, pg)
+
+
+def _torch_original(name: str) -> Callable[..., Any]:
+    current = getattr(_state_dict_utils, name)
+    return getattr(current, "_ragged_original", current)
+
+
+_TORCH_DISTRIBUTE_TENSOR = _torch_original("distribute_tensor")
+_TORCH_BROADCAST_TENSORS = _torch_original("_broadcast_tensors")
+
+
+def install() -> None:
+    """Route ``_state_dict_utils``' ``distribute_tensor`` and ``_broadcast_tensors`` through the
+    ragged versions for RaggedShard DTensors (idempotent; other tensors keep torch's code)."""
+    for name, hook, original in (
+        ("distribute_tensor", _distribute_tensor, _TORCH_DISTRIBUTE_TENSOR),
+        ("_broadcast_tensors", _broadcast_tensors, _TORCH_BROADCAST_TENSORS),
+    ):
+        hook._ragged_original = original  # type: ignore[attr-defined]
+        setattr(_state_dict_utils, name, hook)
