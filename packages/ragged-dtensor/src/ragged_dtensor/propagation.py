@@ -38,7 +38,7 @@ from torch.distributed.tensor._sharding_prop import LocalLRUCache, ShardingPropa
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ragged_dtensor import reductions, views
+from ragged_dtensor import fused_optim, op_routing, random_fills, reductions, torch_handlers, views
 from ragged_dtensor.placement import RaggedShard, is_ragged
 
 aten = torch.ops.aten
@@ -57,14 +57,6 @@ LIKE_OPS: frozenset[Any] = frozenset(
         aten.ones_like.default,
         aten.empty_like.default,
         aten.full_like.default,
-        aten.rand_like.default,
-        aten.randn_like.default,
-        # in-place random fills (parameter init, dropout): each rank draws its own run
-        aten.uniform_.default,
-        aten.normal_.default,
-        aten.bernoulli_.float,
-        aten.exponential_.default,
-        aten.native_dropout.default,
         aten.detach.default,
         aten.alias.default,
         aten._to_copy.default,
@@ -506,10 +498,14 @@ def install() -> None:
 
     Both entry points are replaced: ``propagate_op_sharding_non_cached`` and the cached
     ``propagate_op_sharding`` (whose cache wraps the bound method it was built with). The
-    full-reduction handlers of :mod:`ragged_dtensor.reductions` are registered too.
+    op routes of :mod:`ragged_dtensor.reductions`, :mod:`ragged_dtensor.views`,
+    :mod:`ragged_dtensor.torch_handlers`, :mod:`ragged_dtensor.fused_optim` and
+    :mod:`ragged_dtensor.random_fills` are registered and :mod:`ragged_dtensor.op_routing` is
+    installed too.
     """
-    reductions.install()
-    views.install()
+    for module in (reductions, views, torch_handlers, fused_optim, random_fills):
+        module.install()
+    op_routing.install()
     propagator = DTensor._op_dispatcher.sharding_propagator
     if isinstance(propagator.propagate_op_sharding_non_cached, RaggedPropagator):
         return

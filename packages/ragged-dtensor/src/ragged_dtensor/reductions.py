@@ -3,18 +3,19 @@
 A reduction over all elements of a RaggedShard tensor is the reduction of the per-rank
 reductions of its 1-D local runs, so each rank computes its local value and the output is a
 ``Partial`` DTensor (``_NormPartial(p)`` for p-norms, ``Partial("max")`` for ``max`` and the
-inf-norm, ``Partial("sum")`` for ``mean``). These ops go through DTensor's custom-op handlers
-rather than the sharding propagator for two reasons: reductions without an identity
-(``max``, ``min``, ``amax``, the ±inf-norms) raise on an empty local run, and a rank holding
-zero units would then leave the others waiting in the reduction's collective, so the handler
-substitutes the identity itself; and the right partial placement depends on ``ord``, a
-non-tensor argument that DTensor's native cache does not key on for every op.
+inf-norm, ``Partial("sum")`` for ``mean``). These ops take a :mod:`ragged_dtensor.op_routing`
+route rather than a sharding plan for two reasons: reductions without an identity (``max``,
+``min``, ``amax``, the ±inf-norms) raise on an empty local run, and a rank holding zero units
+would then leave the others waiting in the reduction's collective, so the handler substitutes
+the identity itself; and the right partial placement depends on ``ord``, a non-tensor argument
+that DTensor's native cache does not key on for every op.
 
-Anything else (a reduction over some dims, ``keepdim=True``, a negative finite ``ord``, a
-non-ragged input) is passed on to DTensor's ordinary dispatch, which gathers a ragged input
-through :mod:`ragged_dtensor.propagation`. Since these handlers see every DTensor, they also
-give an empty local ``Shard`` (torch splits dims unevenly) the identity of ``max``/``min``/the
-±inf-norms, which torch alone would raise on.
+Anything else (a reduction over some dims, ``keepdim=True``, a negative finite ``ord``) is
+passed on to DTensor's ordinary dispatch, which gathers a ragged input through
+:mod:`ragged_dtensor.propagation`. The reductions without an identity also take the route for a
+torch ``Shard`` DTensor whose dim is too short to give every rank a piece
+(:func:`may_hold_empty_shard`): the empty ranks contribute the identity, where torch alone
+would raise on them only. Every other non-ragged DTensor keeps torch's C++ fast path.
 """
 
 from __future__ import annotations
@@ -27,14 +28,19 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._ops._math_ops import _NormPartial
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
+from torch.distributed.tensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+)
 
 from ragged_dtensor.identities import reduction_identity
+from ragged_dtensor.op_routing import Route, add_routes, has_ragged_arg
 from ragged_dtensor.placement import RaggedShard, is_ragged
 
 aten = torch.ops.aten
-
-Handler = Callable[[torch._ops.OpOverload, tuple[object, ...], dict[str, object]], object]
 
 _NOT_HANDLED = object()
 
@@ -44,7 +50,7 @@ def is_linear_partial(placement: Placement) -> bool:
     return type(placement) is Partial and placement.reduce_op in ("sum", "avg")
 
 
-def _settled(x: DTensor) -> DTensor:
+def settled(x: DTensor) -> DTensor:
     """``x`` with the Partial mesh dims beside its RaggedShard reduced to Replicate.
 
     A non-linear reduction of a pending gradient ``(Partial(), RaggedShard)`` needs the summed
@@ -56,7 +62,7 @@ def _settled(x: DTensor) -> DTensor:
     return x.redistribute(x.device_mesh, placements)
 
 
-def _raise_if_empty(
+def raise_if_empty(
     x: DTensor, op_call: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
 ) -> None:
     """Raise what one device raises for a reduction without identity of an empty tensor.
@@ -156,7 +162,7 @@ def _vector_norm(x: DTensor, ord: float, dim: object, keepdim: bool, dtype: torc
     if dim not in (None, [], ()) or keepdim:
         return _NOT_HANDLED
     partial = _norm_partial(float(ord))
-    x = _settled(x)
+    x = settled(x)
     placements = None if partial is None else _partial_placements(x, partial)
     if placements is None:
         return _NOT_HANDLED
@@ -172,7 +178,7 @@ def vector_norm_handler(
         names = ("ord", "dim", "keepdim")
         params = {"ord": 2, "dim": None, "keepdim": False, **dict(zip(names, rest)), **kwargs}
         if math.isinf(float(params["ord"])):
-            _raise_if_empty(x, op_call, args, kwargs)
+            raise_if_empty(x, op_call, args, kwargs)
         out = _vector_norm(x, params["ord"], params["dim"], params["keepdim"],
                            params.get("dtype"))
         if out is not _NOT_HANDLED:
@@ -204,8 +210,8 @@ def extreme_handler(
             ndim = x.ndim
             full = not keepdim and (not dim or sorted(d % ndim for d in dim) == list(range(ndim)))
         if full:
-            _raise_if_empty(x, op_call, args, kwargs)
-            x = _settled(x)
+            raise_if_empty(x, op_call, args, kwargs)
+            x = settled(x)
         placements = _partial_placements(x, Partial("max" if largest else "min"))
         if full and placements is not None:
             return _wrap_scalar(_local_extreme(x._local_tensor, largest), x, placements)
@@ -257,38 +263,64 @@ def foreach_norm_handler(
     ]
 
 
-HANDLERS: dict[Any, Handler] = {
-    aten.linalg_vector_norm.default: vector_norm_handler,
-    aten.max.default: extreme_handler,
-    aten.min.default: extreme_handler,
-    aten.amax.default: extreme_handler,
-    aten.amin.default: extreme_handler,
-    aten.mean.default: mean_handler,
-    aten._foreach_norm.Scalar: foreach_norm_handler,
+def may_hold_empty_shard(x: object) -> bool:
+    """Whether some rank's local tensor of the non-empty DTensor ``x`` is empty.
+
+    A global fact (the specs and shapes every rank shares): torch's ``Shard(d)`` cuts dim ``d``
+    into ``torch.chunk`` pieces, which leave trailing ranks empty when the dim is short (5 rows
+    on 4 ranks give 2, 2, 1, 0). Nested shards of one dim are judged by their smallest piece;
+    ``_StridedShard`` counts as possibly empty.
+    """
+    if not isinstance(x, DTensor) or x.numel() == 0:
+        return False
+    sizes = list(x.shape)
+    for mesh_dim, p in enumerate(x.placements):
+        if isinstance(p, _StridedShard):
+            return True
+        if isinstance(p, Shard):
+            n, k = sizes[p.dim], x.device_mesh.size(mesh_dim)
+            chunk = -(-n // k)
+            if chunk * (k - 1) >= n:
+                return True
+            sizes[p.dim] = n - chunk * (k - 1)
+    return False
+
+
+def _wants_extreme(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
+    """``max``/``min``/``amax``/``amin``: RaggedShard inputs, or a local shard that is empty."""
+    return has_ragged_arg(args, kwargs) or may_hold_empty_shard(args[0])
+
+
+def _norm_ord(args: tuple[object, ...], kwargs: dict[str, object]) -> float:
+    return float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+
+
+def _wants_vector_norm(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
+    """RaggedShard inputs, or an inf-norm (no identity) of an input with an empty shard."""
+    return has_ragged_arg(args, kwargs) or (
+        math.isinf(_norm_ord(args, kwargs)) and may_hold_empty_shard(args[0])
+    )
+
+
+def _wants_foreach_norm(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
+    tensors: Sequence[object] = args[0]  # type: ignore[assignment]
+    return has_ragged_arg(args, kwargs) or (
+        math.isinf(_norm_ord(args, kwargs)) and any(may_hold_empty_shard(t) for t in tensors)
+    )
+
+
+ROUTES: dict[Any, Route] = {
+    aten.linalg_vector_norm.default: Route(vector_norm_handler, _wants_vector_norm),
+    aten.max.default: Route(extreme_handler, _wants_extreme),
+    aten.min.default: Route(extreme_handler, _wants_extreme),
+    aten.amax.default: Route(extreme_handler, _wants_extreme),
+    aten.amin.default: Route(extreme_handler, _wants_extreme),
+    aten.mean.default: Route(mean_handler),
+    aten._foreach_norm.Scalar: Route(foreach_norm_handler, _wants_foreach_norm),
 }
 
 
-def register_handlers(handlers: dict[Any, Handler]) -> None:
-    """Put ``handlers`` into DTensor's custom-op table (idempotent).
-
-    Raises:
-        RuntimeError: if torch already has its own handler for one of these ops (a newer
-            torch would need this package revisited rather than silently overridden).
-    """
-    table = DTensor._op_dispatcher._custom_op_handlers
-    for op, handler in handlers.items():
-        current = table.get(op)
-        if current is handler:
-            continue
-        if current is not None:
-            raise RuntimeError(f"DTensor already has a custom handler for {op}: {current}")
-        table[op] = handler
-
-
 def install() -> None:
-    """Register the reduction handlers in DTensor's custom-op table (idempotent).
-
-    Raises:
-        RuntimeError: if torch already has its own handler for one of these ops.
-    """
-    register_handlers(HANDLERS)
+    """Route the full reductions of RaggedShard DTensors (and of DTensors with an empty local
+    shard, for the reductions without identity) to these handlers (idempotent)."""
+    add_routes(ROUTES)

@@ -24,8 +24,9 @@ from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ragged_dtensor.op_routing import Route, add_routes
 from ragged_dtensor.placement import RaggedShard, find_ragged
-from ragged_dtensor.reductions import dispatch_default, register_handlers
+from ragged_dtensor.reductions import dispatch_default
 
 aten = torch.ops.aten
 
@@ -58,8 +59,8 @@ def reshape_handler(
 ) -> object:
     """``view``/``reshape``/``_unsafe_view`` of a RaggedShard DTensor as a local alias.
 
-    Other DTensors (and a RaggedShard DTensor whose global stride is not contiguous) take
-    DTensor's ordinary dispatch.
+    A RaggedShard DTensor whose global stride is not contiguous takes DTensor's ordinary
+    dispatch (other DTensors never reach this handler).
     """
     x, size = args[0], (args[1] if len(args) > 1 else kwargs["size"])
     found = find_ragged(x.placements) if isinstance(x, DTensor) else None
@@ -80,10 +81,28 @@ def reshape_handler(
     return DTensor._op_dispatcher.wrap(local.view(local.numel()), out)
 
 
-def install() -> None:
-    """Register :func:`reshape_handler` in DTensor's custom-op table (idempotent).
+def as_strided_handler(
+    op_call: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
+) -> object:
+    """``as_strided`` of a RaggedShard DTensor: its own size, stride and offset give an alias
+    (as torch's handler does for every DTensor); anything else is refused on every rank with
+    the view error, naming the op (the check uses global metadata only)."""
+    x = args[0]
+    size, stride = args[1], args[2]
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    if (tuple(x.shape) == tuple(size) and tuple(x.stride()) == tuple(stride)
+            and offset in (None, x.storage_offset())):
+        return aten.alias.default(x)
+    raise RuntimeError(str(alias_error(op_call, x.placements)))
 
-    Raises:
-        RuntimeError: if torch already has its own handler for one of these ops.
-    """
-    register_handlers({op: reshape_handler for op in RESHAPE_OPS})
+
+ROUTES = {
+    **{op: Route(reshape_handler) for op in RESHAPE_OPS},
+    aten.as_strided.default: Route(as_strided_handler),
+}
+
+
+def install() -> None:
+    """Route the reshapes and ``as_strided`` of RaggedShard DTensors to these handlers
+    (idempotent)."""
+    add_routes(ROUTES)

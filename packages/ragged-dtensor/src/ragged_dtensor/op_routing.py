@@ -1,0 +1,119 @@
+"""Route ops on RaggedShard DTensors to this package's handlers, and only those.
+
+DTensor's C++ dispatcher (``dispatchDTensorOp``) first looks the op up in
+``DTensor._op_dispatcher._custom_op_handlers``, a plain dict consulted on every call of every
+DTensor; an entry there takes the op off the C++ fast path for *all* DTensors (tensor-parallel
+``Shard`` code included). Without an entry it looks up its native sharding cache (keyed on the
+op and the input specs) and only on a miss calls the Python
+``_propagate_op_sharding_dispatch_slow_path``, which may return the op's *result* instead of an
+``OutputSharding`` (torch uses that for decompositions); a result is never cached.
+
+So this module keeps handlers out of the custom-op table and wraps the slow path instead: for
+an op with a :class:`Route` whose ``wants`` predicate accepts the call (by default: some input
+carries a RaggedShard), the route's handler computes the result; everything else goes on to
+torch's slow path, whose ``OutputSharding`` the C++ cache then keeps, so plain DTensors pay
+nothing after their first call. Because a spec that a route takes never gets a cache entry,
+every later call with that spec reaches the route again.
+
+torch's own custom-op handlers (``argmax``, convolution, ``as_strided``, the AMP unscale, ...)
+run before any of this and treat an unknown placement as replicated, so for the ops this
+package has an answer for, the table entry is replaced by a :class:`RaggedFirst` that gives
+RaggedShard calls to the route and every other call to torch's handler (one ``is_ragged`` scan
+of the arguments on top of a Python handler that runs anyway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._op_schema import OpInfo
+from torch.utils._pytree import tree_flatten
+
+from ragged_dtensor.placement import is_ragged
+
+Handler = Callable[[torch._ops.OpOverload, tuple[object, ...], dict[str, object]], object]
+
+
+def has_ragged_arg(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
+    """Whether any DTensor among ``args``/``kwargs`` (lists included) carries a RaggedShard."""
+    return any(is_ragged(leaf) for leaf in tree_flatten((args, kwargs))[0])
+
+
+@dataclass(frozen=True)
+class Route:
+    """A handler for one op and the calls it takes.
+
+    Attributes:
+        handler: computes the op's result from the DTensor arguments.
+        wants: ``wants(args, kwargs)`` says whether the handler takes this call; it may only
+            depend on facts every rank shares (specs, shapes, non-tensor arguments), so that
+            every rank takes the same path.
+    """
+
+    handler: Handler
+    wants: Callable[[tuple[object, ...], dict[str, object]], bool] = has_ragged_arg
+
+
+#: op -> route; filled by the modules that own the handlers (reductions, views, ...)
+ROUTES: dict[Any, Route] = {}
+
+
+def add_routes(routes: dict[Any, Route]) -> None:
+    """Register ``routes`` (idempotent for the same route).
+
+    Raises:
+        RuntimeError: if another route is already registered for one of the ops.
+    """
+    for op, route in routes.items():
+        current = ROUTES.get(op)
+        if current is not None and current != route:
+            raise RuntimeError(f"a RaggedShard route for {op} exists already: {current}")
+        ROUTES[op] = route
+
+
+class RaggedSlowPath:
+    """Wraps the dispatcher's ``_propagate_op_sharding_dispatch_slow_path`` with :data:`ROUTES`."""
+
+    def __init__(self, original: Callable[..., object]) -> None:
+        self.original = original
+
+    def __call__(self, op_call: torch._ops.OpOverload, args: tuple[object, ...],
+                 kwargs: dict[str, object], op_info: OpInfo, try_cache: bool) -> object:
+        route = ROUTES.get(op_call)
+        if route is not None and route.wants(args, kwargs):
+            return route.handler(op_call, args, kwargs)
+        return self.original(op_call, args, kwargs, op_info, try_cache)
+
+
+class RaggedFirst:
+    """A custom-op table entry: calls on RaggedShard inputs take the route, others torch's."""
+
+    def __init__(self, torch_handler: Handler) -> None:
+        self.torch_handler = torch_handler
+
+    def __call__(self, op_call: torch._ops.OpOverload, args: tuple[object, ...],
+                 kwargs: dict[str, object]) -> object:
+        route = ROUTES.get(op_call)
+        if route is not None and route.wants(args, kwargs):
+            return route.handler(op_call, args, kwargs)
+        return self.torch_handler(op_call, args, kwargs)
+
+
+def install() -> None:
+    """Wrap the dispatcher's slow path and torch's own custom handlers (idempotent).
+
+    A torch custom handler is wrapped only for ops that have a route; call again after adding
+    routes.
+    """
+    dispatcher = DTensor._op_dispatcher
+    slow_path = dispatcher._propagate_op_sharding_dispatch_slow_path
+    if not isinstance(slow_path, RaggedSlowPath):
+        dispatcher._propagate_op_sharding_dispatch_slow_path = RaggedSlowPath(slow_path)
+    table = dispatcher._custom_op_handlers
+    for op, handler in list(table.items()):
+        if op in ROUTES and not isinstance(handler, RaggedFirst):
+            table[op] = RaggedFirst(handler)
