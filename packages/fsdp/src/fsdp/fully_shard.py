@@ -1,0 +1,435 @@
+"""The public entry point, :func:`fully_shard`, and the :class:`FSDPModule` methods.
+
+A drop-in for torch 2.13's ``torch.distributed.fsdp.fully_shard``: the same signature plus
+``unit_policy``, the same module class swap (``FSDP<Cls>``), the same methods. What differs
+is underneath: parameters are RaggedShard DTensors over a DBuffer laid out by the planner,
+so every rank holds whole units and the collectives run in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NoReturn, overload
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from fsdp.param_group import TrainingState
+from fsdp.policies import UnitPolicy
+from fsdp.sharding import build_group, collect_params, managed_modules
+from fsdp.state import FSDPState, get_state
+
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+
+
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+    unit_policy: UnitPolicy | None = None,
+) -> FSDPModule | list[FSDPModule]:
+    """Shard ``module``'s parameters over ``mesh`` as whole units in one flat buffer.
+
+    Apply bottom-up: each transformer block, then the root. The parameters of ``module``
+    not already taken by a sharded submodule form one group: they are planned together
+    (``layout_planner.plan_buckets``, registration order), stored in DBuffers, and replaced
+    by RaggedShard DTensors whose local tensors are views of the sharded buffer. Forward
+    all-gathers the group in place and gives the module views of the unsharded buffer;
+    backward re-gathers where resharded, lets autograd accumulate straight into the gradient
+    buffer and reduce-scatters it once into the sharded gradients (``param.grad``).
+
+    Args:
+        module: a module, or a list of modules sharded as one group (e.g. a tied embedding
+            and LM head).
+        mesh: a 1-D mesh (FSDP) or a 2-D ``(replicate, shard)`` mesh (HSDP); default: a
+            1-D mesh over the world on the default device type.
+        reshard_after_forward: free the unsharded parameters after forward (``True``), keep
+            them (``False``), or ``None``: ``True`` except for the root, decided at the
+            first forward, as FSDP2 does.
+        shard_placement_fn: FSDP2's hook; ``None`` and ``Shard(0)`` are accepted (rows),
+            ``Shard(d > 0)`` raises pointing to ``unit_policy``.
+        mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` (one fused cast per
+            buffer before the all-gather), ``reduce_dtype``, ``output_dtype``,
+            ``cast_forward_inputs``.
+        offload_policy: torch's ``OffloadPolicy``; ``CPUOffloadPolicy`` is accepted where
+            the mesh is on CPU (the identity there).
+        ignored_params: parameters left alone (not sharded, not reduced).
+        unit_policy: ``unit_policy(name, param) -> int``, the elements no rank boundary may
+            cut (default: one row). Block optimizers give theirs, e.g.
+            ``block_optim.Muon.unit_policy()``.
+
+    Returns:
+        The module (or modules), whose class is now ``FSDP<Cls>``.
+
+    Raises:
+        ValueError: for a parameter shared with another group, ``fully_shard`` applied
+            top-down, a non-positive unit, ``Shard(d > 0)``, or an empty parameter (the same
+            facts on every rank, so every rank raises).
+        NotImplementedError: for an ``int`` ``reshard_after_forward`` or CPU offload of a
+            mesh that is not on CPU.
+    """
+    modules = tuple(module) if isinstance(module, list) else (module,)
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(f"fully_shard expects an nn.Module or a non-empty list of them, got "
+                        f"{type(module).__name__}")
+    for m in modules:
+        if get_state(m) is not None:
+            raise ValueError(f"fully_shard was already applied to {type(m).__name__}")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard_after_forward!r}: resharding to a smaller world "
+            "size after forward (an int) is not supported; pass True, False or None")
+    mesh = mesh or _default_mesh()
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard: mesh must be 1-D (FSDP) or 2-D (HSDP), got {mesh.ndim}-D")
+    device = _mesh_device(mesh)
+    if isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu":
+        raise NotImplementedError(
+            "CPUOffloadPolicy with a mesh on a device other than CPU is not supported: the "
+            "sharded buffer and the unsharded buffer of a DBuffer live on one device")
+
+    labels = ", ".join(type(m).__name__ for m in modules)
+    collected = collect_params(managed_modules(modules, lambda m: get_state(m) is not None),
+                               set(ignored_params or ()))
+    group = None
+    if collected:
+        group = build_group(collected, mesh, device, mp_policy, unit_policy, shard_placement_fn,
+                            labels)
+        if reshard_after_forward is not None:
+            group.config.reshard_after_forward = reshard_after_forward
+    for _, m in managed_modules(modules, lambda m: get_state(m) is not None):
+        _move_buffers(m, device)
+    FSDPState(modules, group, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
+    for m in modules:
+        cls = type(m)
+        if cls not in _FSDP_CLASSES:
+            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
+                                      {"__deepcopy__": _no_deepcopy})
+        m.__class__ = _FSDP_CLASSES[cls]
+    return list(modules) if isinstance(module, list) else module  # type: ignore[return-value]
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard needs an initialised torch.distributed process group")
+    device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    handle = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, handle.current_device())
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for name, buffer in module._buffers.items():
+        if buffer is not None and not buffer.is_meta and buffer.device != device:
+            module._buffers[name] = buffer.to(device)
+
+
+def _no_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
+    raise AssertionError("fsdp does not support deepcopy; use a state dict to copy a model")
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the all-gather
+    and registers the unsharded parameters."""
+
+    def __init__(self, states: list[FSDPState]) -> None:
+        self._states = states
+
+    def wait(self) -> None:
+        """Block until the module's parameters are unsharded."""
+        for state in self._states:
+            for group in state.groups:
+                group.wait_for_unshard()
+        self._states = []
+
+
+class FSDPModule:
+    """Mixed into every module ``fully_shard`` was applied to (``FSDP<Cls>``)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Indexing into a sharded container builds the original class, as in FSDP2.
+        orig_cls = cls.__mro__[2]
+        self = orig_cls.__new__(orig_cls, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _get_fsdp_state(self) -> FSDPState:
+        state = get_state(self)  # type: ignore[arg-type]
+        assert state is not None
+        return state
+
+    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
+        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        states: list[FSDPState] = []
+        for m in modules:
+            state = get_state(m)
+            if state is not None and state not in states:
+                states.append(state)
+        return states
+
+    def _groups(self, recurse: bool) -> list:
+        return [g for s in self._fsdp_states(recurse) for g in s.groups]
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters and register the sharded ones."""
+        for group in self._get_fsdp_state().groups:
+            previous, group.training_state = group.training_state, TrainingState.IDLE
+            group.reshard()
+            group.training_state = previous
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters ahead of its forward.
+
+        Args:
+            async_op: return a handle to wait on instead of waiting.
+
+        Returns:
+            The handle with ``async_op``, else ``None``.
+        """
+        state = self._get_fsdp_state()
+        state._lazy_init()
+        for group in state.groups:
+            group.unshard(async_op=True)
+        handle = UnshardHandle([state])
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reset_iter_state(self) -> None:
+        """Recover after a forward or backward raised: finish in-flight collectives, drop
+        the failed iteration's gradients, register the sharded parameters (call on the root)."""
+        self._get_fsdp_state().reset_iter_state()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last of the step (kept for FSDP2 compatibility:
+        fsdp always finishes its reductions at the end of each backward)."""
+        self._get_fsdp_state().ctx.is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """Reduce gradients in the next backward (``True``) or keep accumulating the
+        unsharded gradients locally (``False``: gradient accumulation with no communication).
+
+        Args:
+            requires_gradient_sync: whether to reduce.
+            recurse: also for every sharded submodule.
+        """
+        for group in self._groups(recurse):
+            group.config.reduce_grads = requires_gradient_sync
+            group.config.all_reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether to all-reduce over the replicate dimension after reduce-scatter.
+
+        Args:
+            requires_all_reduce: only ``True`` is supported.
+            recurse: also for every sharded submodule.
+
+        Raises:
+            NotImplementedError: for ``False`` (DBuffer always completes the HSDP reduction).
+        """
+        if not requires_all_reduce:
+            raise NotImplementedError(
+                "set_requires_all_reduce(False) is not supported: a DBuffer's HSDP "
+                "reduce-scatter always ends with the replicate all-reduce")
+        for group in self._groups(recurse):
+            group.config.all_reduce_grads = True
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` at run time (e.g. ``False`` for evaluation).
+
+        Args:
+            reshard_after_forward: whether to free unsharded parameters after forward.
+            recurse: also for every sharded submodule.
+        """
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got "
+                             f"{type(reshard_after_forward)}")
+        for state in self._fsdp_states(recurse):
+            state.auto_reshard_after_forward = False
+            for group in state.groups:
+                group.config.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        """Whether to free unsharded parameters after backward (``False`` saves the next
+        forward's all-gather during gradient accumulation, at the cost of memory).
+
+        Args:
+            reshard_after_backward: whether to reshard.
+            recurse: also for every sharded submodule.
+        """
+        for group in self._groups(recurse):
+            group.config.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters right after this module's, in forward
+        (replaces the implicit one-ahead prefetch).
+
+        Args:
+            modules: sharded modules.
+        """
+        _check_fsdp_modules(modules)
+        self._get_fsdp_state().states_to_forward_prefetch = [m._get_fsdp_state() for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters right after this module's, in backward
+        (replaces the implicit prefetch of the previous group).
+
+        Args:
+            modules: sharded modules.
+        """
+        _check_fsdp_modules(modules)
+        self._get_fsdp_state().states_to_backward_prefetch = [m._get_fsdp_state() for m in modules]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of the data-parallel size.
+
+        Args:
+            factor: the divisor.
+        """
+        for group in self._get_fsdp_state().groups:
+            group.config.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated FSDP2 name of :meth:`set_gradient_divide_factor`.
+
+        Args:
+            factor: the divisor.
+        """
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted: fsdp's collectives always sum and divide in a fused launch of its own.
+
+        Args:
+            enable: ignored by design (the result is the same either way).
+        """
+        del enable
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether to re-gather in backward (``False`` for modules whose parameters the
+        backward does not use).
+
+        Args:
+            unshard_in_backward: whether to re-gather.
+        """
+        for group in self._get_fsdp_state().groups:
+            group.config.unshard_in_backward = unshard_in_backward
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool) -> None:
+        """Give parameters that got no gradient a (reduced, zero) ``.grad`` too.
+
+        Args:
+            reduce_scatter_unused_params: whether to.
+        """
+        for group in self._get_fsdp_state().groups:
+            group.config.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Not supported: the all-gather runs in place on the DBuffer."""
+        raise NotImplementedError("set_custom_all_gather: fsdp all-gathers in place into its "
+                                  "DBuffer; a custom all-gather would need its own buffers")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Not supported: the reduce-scatter runs in place on the DBuffer."""
+        raise NotImplementedError("set_custom_reduce_scatter: fsdp reduce-scatters in place "
+                                  "from its DBuffer; a custom collective would need its own buffers")
+
+    def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
+        """Not supported: the HSDP all-reduce is part of DBuffer's reduction."""
+        raise NotImplementedError("set_all_reduce_hook: the HSDP all-reduce runs inside "
+                                  "DBuffer.reduce_scatter and takes no hook")
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Not supported: fsdp does not use separate CUDA streams for its collectives."""
+        raise NotImplementedError("set_post_optim_event: fsdp runs its collectives without "
+                                  "separate streams, so there is no event to wait on")
+
+    def set_reduce_scatter_max_input_buffers(self, max_buffers: int) -> None:
+        """Not supported: fsdp keeps exactly one reduce-scatter in flight."""
+        raise NotImplementedError("set_reduce_scatter_max_input_buffers: fsdp keeps one "
+                                  "reduce-scatter in flight; its input is the DBuffer itself")
+
+    def set_separate_reduce_scatter_group(self, *args: Any, **kwargs: Any) -> None:
+        """Not supported: a DBuffer reduces over the group it gathers over."""
+        raise NotImplementedError("set_separate_reduce_scatter_group: a DBuffer reduces over "
+                                  "the process group of its mesh")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Not supported: the collective buffers are the DBuffer's own memory."""
+        raise NotImplementedError("set_allocate_memory_from_process_group_for_comm: fsdp's "
+                                  "collectives run on DBuffer memory, not backend-allocated buffers")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Not supported: symmetric memory is not used by DBuffer."""
+        raise NotImplementedError("set_symm_mem_for_comm: DBuffer does not allocate "
+                                  "symmetric memory")
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """``to_empty`` / ``.to()`` / ``.cuda()``: keep every parameter a view of its DBuffer.
+
+        ``nn.Module._apply`` swaps new tensors into the sharded parameters; this moves the
+        new values into the buffers (rebuilding a buffer when its dtype or device changes)
+        and points the parameters back at the buffer views."""
+        self.reshard()
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        for group in self._get_fsdp_state().groups:
+            group.rebind_after_apply()
+        return result
+
+
+def _check_fsdp_modules(modules: list[Any]) -> None:
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"expected a module fully_shard was applied to, got {type(m).__name__}")
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.<method_name>`` with fsdp's forward hooks (unshard before, reshard
+    after), for methods called instead of ``forward`` (e.g. ``generate``).
+
+    Args:
+        module: a module ``fully_shard`` was applied to.
+        method_name: the method to wrap.
+
+    Raises:
+        ValueError: when ``module`` is not sharded or has no such method.
+    """
+    if not isinstance(module, FSDPModule):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} is not an "
+                         "FSDPModule")
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    original = getattr(module, method_name)
+    state = module._get_fsdp_state()
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward(args, kwargs)
+        return state.post_forward(original(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)

@@ -1,0 +1,366 @@
+"""One ``fully_shard`` group over its DBuffers: the lifecycle verbs of a training step.
+
+A group's parameters live in one or more :class:`dbuffer.DBuffer` (one per planner bucket and
+per kind: trainable parameters of a dtype, frozen parameters of a dtype). The verbs follow
+the step: :meth:`FSDPParamGroup.unshard` / :meth:`wait_for_unshard` (all-gather in place,
+then register views of the unsharded buffer as the module's parameters), :meth:`reshard`
+(register the sharded DTensor parameters again, free the unsharded memory),
+:meth:`pre_backward` (re-gather, point every unsharded parameter's ``.grad`` at its view of
+the gradient buffer so autograd accumulates straight into it), :meth:`post_backward` (one
+reduce-scatter per buffer into the sharded gradient buffer) and :meth:`finish_reduce` (the
+sharded ``.grad`` of every parameter becomes a RaggedShard view of that buffer).
+
+Nothing here copies a parameter or a gradient: the collectives run on DBuffer's own buffers.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from dbuffer import CollectiveHandle, DBuffer, kernels
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.profiler import record_function
+
+from fsdp.buffers import make_buffer, sharded_parameter
+
+
+class TrainingState(enum.Enum):
+    """Where a group or a module state is within a training step."""
+
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    PRE_BACKWARD = enum.auto()
+    POST_BACKWARD = enum.auto()
+
+
+@dataclass(eq=False)
+class ManagedParam:
+    """One parameter of a group: where it is registered and where its memory lives.
+
+    Attributes:
+        name: unique name inside the group (its DBuffer key).
+        slots: every ``(module, attribute)`` that registers it (tied weights have several).
+        buffer: the DBuffer holding it.
+        sharded: the registered sharded parameter (a RaggedShard DTensor over the buffer).
+        unsharded: the unsharded parameter (a view of the unsharded buffer), made on first
+            unshard and kept, since the buffer keeps its storage across free and re-gather.
+        armed: whether ``unsharded.grad`` currently is the gradient buffer's view.
+        got_grad: whether autograd delivered a gradient since the last reduction.
+    """
+
+    name: str
+    slots: list[tuple[nn.Module, str]]
+    buffer: DBuffer
+    sharded: nn.Parameter
+    unsharded: nn.Parameter | None = None
+    armed: bool = False
+    got_grad: bool = False
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the parameter requires a gradient (its buffer has gradient memory)."""
+        return self.sharded.requires_grad
+
+    def register(self, param: nn.Parameter) -> None:
+        """Make ``param`` the registered parameter at every slot (no ``nn.Module`` checks,
+        so the swap costs a dict write per slot)."""
+        for module, attr in self.slots:
+            module._parameters[attr] = param
+
+    def unsharded_param(self) -> nn.Parameter:
+        """The unsharded parameter, created on first use as a view of the unsharded buffer."""
+        if self.unsharded is None:
+            view = self.buffer.unsharded_view(self.name)
+            self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
+            if self.trainable:
+                self.unsharded.register_post_accumulate_grad_hook(self._on_grad)
+        return self.unsharded
+
+    def arm_grad(self) -> None:
+        """Point ``unsharded.grad`` at the gradient buffer's view, so autograd accumulates
+        in place into the buffer (no per-parameter gradient tensor, no copy)."""
+        assert self.unsharded is not None
+        if not self.armed:
+            view = self.buffer.grad_view(self.name)
+            if self.unsharded.grad is not None and self.unsharded.grad is not view:
+                fold_replaced_grad(view, self.unsharded.grad, includes_view=False)
+            self.unsharded.grad = view
+            self.armed = True
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        """Post-accumulate hook: note the gradient, and fold a gradient autograd put
+        somewhere else (``create_graph=True`` replaces ``.grad`` out of place)."""
+        self.got_grad = True
+        view = self.buffer.grad_view(self.name)
+        if param.grad is not view:
+            fold_replaced_grad(view, param.grad, includes_view=self.armed)
+            param.grad = view
+            self.armed = True
+
+    def disarm_grad(self) -> None:
+        """Forget the unsharded gradient (its buffer is about to be freed)."""
+        if self.unsharded is not None:
+            self.unsharded.grad = None
+        self.armed = False
+        self.got_grad = False
+
+
+@dataclass
+class GroupConfig:
+    """The per-group settings ``FSDPModule``'s setters change at run time."""
+
+    reshard_after_forward: bool = True
+    reshard_after_backward: bool = True
+    reduce_grads: bool = True
+    all_reduce_grads: bool = True
+    unshard_in_backward: bool = True
+    reduce_scatter_unused_params: bool = False
+    gradient_divide_factor: float | None = None
+
+
+@dataclass
+class PendingReduce:
+    """A group's in-flight reduce-scatters, finished by :meth:`FSDPParamGroup.finish_reduce`."""
+
+    group: FSDPParamGroup
+    handles: list[CollectiveHandle] = field(default_factory=list)
+
+
+class FSDPParamGroup:
+    """The parameters of one ``fully_shard`` call and the verbs of a training step.
+
+    Args:
+        params: the managed parameters, in registration order.
+        buffers: the DBuffers holding them.
+        label: a readable name (the modules' class names) for profiles and errors.
+        mesh: the mesh the buffers shard over.
+        mp_policy: the mixed-precision policy the buffers were made with.
+    """
+
+    def __init__(self, params: list[ManagedParam], buffers: list[DBuffer], label: str,
+                 mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
+        self.params = params
+        self.mesh = mesh
+        self.mp_policy = mp_policy
+        self.buffers = buffers
+        self.label = label
+        self.config = GroupConfig()
+        self.training_state = TrainingState.IDLE
+        self.is_unsharded = False
+        self.backward_armed = False
+        self._gathers: list[CollectiveHandle] | None = None
+        self.post_forward_indices: list[int] = []
+
+    # ------------------------------------------------------------------ unshard / reshard
+    @property
+    def trainable_buffers(self) -> list[DBuffer]:
+        """The buffers with gradient memory (frozen parameters live in buffers of their own)."""
+        return [b for b in self.buffers if b.trainable]
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Start the all-gather of every buffer in place (a no-op when already unsharded or
+        gathering). With ``async_op`` the collectives overlap whatever runs until
+        :meth:`wait_for_unshard` (gloo runs them on its own thread)."""
+        if self._gathers is not None or self.is_unsharded:
+            return
+        if not self.config.unshard_in_backward and self.training_state == TrainingState.PRE_BACKWARD:
+            return
+        with record_function(f"FSDP::all_gather ({self.label})"):
+            self._gathers = [b.all_gather(async_op=True) for b in self.buffers]
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Finish the all-gather and register the unsharded parameters."""
+        if self._gathers is None:
+            return
+        with record_function(f"FSDP::wait_for_unshard ({self.label})"):
+            for handle in self._gathers:
+                handle.wait()
+            self._gathers = None
+            for p in self.params:
+                p.register(p.unsharded_param())
+        self.is_unsharded = True
+
+    def reshard(self) -> None:
+        """Register the sharded parameters again and free the unsharded memory (honouring
+        ``reshard_after_forward`` during forward)."""
+        if self.training_state == TrainingState.FORWARD and not self.config.reshard_after_forward:
+            return
+        self.wait_for_unshard()
+        if not self.is_unsharded:
+            return
+        for p in self.params:
+            p.register(p.sharded)
+        for b in self.buffers:
+            b.free_unsharded()
+        self.is_unsharded = False
+
+    # ------------------------------------------------------------------------- forward
+    def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    register_post_backward: Callable[[FSDPParamGroup, tuple[Any, ...], dict[str, Any]],
+                                                     tuple[tuple[Any, ...], dict[str, Any]]]
+                    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Unshard for the forward and, when autograd records, hook the inputs so that the
+        backward through this group ends in :meth:`post_backward`."""
+        entering = self.training_state != TrainingState.FORWARD
+        self.training_state = TrainingState.FORWARD
+        self.unshard()
+        self.wait_for_unshard()
+        if entering and torch.is_grad_enabled() and any(p.trainable for p in self.params):
+            self.backward_armed = True
+            args, kwargs = register_post_backward(self, args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, order: list[FSDPParamGroup]) -> None:
+        """Reshard after forward when configured; record the group's place in ``order``
+        (backward prefetches in reverse)."""
+        self.reshard()
+        self.post_forward_indices.append(len(order))
+        order.append(self)
+        self.training_state = TrainingState.IDLE
+
+    # ------------------------------------------------------------------------ backward
+    def pre_backward(self) -> None:
+        """Re-gather when resharded and aim autograd at the gradient buffer."""
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            return
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard()
+        self.wait_for_unshard()
+        if self.is_unsharded:
+            for p in self.params:
+                if p.trainable:
+                    p.arm_grad()
+
+    def post_backward(self) -> PendingReduce | None:
+        """The group's gradients are complete: reduce-scatter them (asynchronously) unless
+        gradient sync is off, and reshard after backward when configured.
+
+        Returns:
+            The pending reduction, or ``None`` when nothing is reduced.
+        """
+        if self.training_state == TrainingState.POST_BACKWARD:
+            return None
+        self.training_state = TrainingState.POST_BACKWARD
+        if not self.config.reduce_grads or not self.backward_armed:
+            if self.config.reshard_after_backward:
+                self.reshard()
+            return None
+        pending = PendingReduce(self)
+        with record_function(f"FSDP::post_backward_reduce ({self.label})"):
+            for buffer in self.trainable_buffers:
+                self._prepare_sharded_grad(buffer)
+                op = "avg"
+                if self.config.gradient_divide_factor is not None:
+                    kernels.scale_(buffer.grad_buffer, 1.0 / self.config.gradient_divide_factor)
+                    op = "sum"
+                pending.handles.append(buffer.reduce_scatter(op, async_op=True))
+        if self.config.reshard_after_backward:
+            self.reshard()
+        return pending
+
+    def _params_of(self, buffer: DBuffer) -> Iterator[ManagedParam]:
+        return (p for p in self.params if p.buffer is buffer)
+
+    def _prepare_sharded_grad(self, buffer: DBuffer) -> None:
+        """Make the sharded gradient buffer hold what each parameter's ``.grad`` says, so the
+        reduce-scatter can add into it: FSDP accumulates into an existing sharded gradient,
+        and a ``.grad`` set to ``None`` (``zero_grad()``) or replaced by the user must count
+        as zero or as the user's values."""
+        params = [p for p in self._params_of(buffer) if p.trainable]
+        if not buffer.has_sharded_grad:
+            return
+        if all(p.sharded.grad is None for p in params):
+            buffer.free_sharded_grad()
+            return
+        with torch.no_grad():
+            for p in params:
+                grad = p.sharded.grad
+                if grad is None:
+                    buffer.sharded_grad_view(p.name).zero_()
+                elif grad is not buffer.sharded_grad(p.name):
+                    local = grad.to_local() if hasattr(grad, "to_local") else grad
+                    buffer.sharded_grad_view(p.name).copy_(local.reshape(-1))
+
+    def finish_reduce(self, pending: PendingReduce) -> None:
+        """Wait for the reduce-scatters, expose the sharded gradients and free the
+        unsharded gradient memory."""
+        with record_function(f"FSDP::post_backward_wait ({self.label})"):
+            for handle in pending.handles:
+                handle.wait()
+        for p in self.params:
+            if not p.trainable:
+                continue
+            keep = p.got_grad or self.config.reduce_scatter_unused_params or p.sharded.grad is not None
+            p.sharded.grad = p.buffer.sharded_grad(p.name) if keep else None
+            p.disarm_grad()
+        for buffer in self.trainable_buffers:
+            buffer.free_grad()
+
+    def rebind_after_apply(self) -> None:
+        """After ``nn.Module._apply`` swapped new tensors into the sharded parameters: move
+        their values into the DBuffers (a new DBuffer when the dtype or device changed) and
+        make every parameter a view of its buffer again."""
+        with torch.no_grad():
+            for index, buffer in enumerate(self.buffers):
+                params = list(self._params_of(buffer))
+                local = params[0].sharded._local_tensor
+                target = buffer
+                if (local.dtype, local.device) != (buffer.dtype, buffer.device):
+                    target = make_buffer(buffer.plan, self.mesh, device=local.device,
+                                         dtype=local.dtype, mp_policy=self.mp_policy,
+                                         trainable=bool(buffer.trainable))
+                    self.buffers[index] = target
+                for p in params:
+                    new_local = p.sharded._local_tensor
+                    view = target.local_view(p.name)
+                    if new_local.data_ptr() != view.data_ptr() or new_local is not view:
+                        view.copy_(new_local.reshape(-1))
+                    if target is buffer:
+                        p.sharded._local_tensor = view
+                    else:
+                        torch.utils.swap_tensors(
+                            p.sharded, sharded_parameter(target, p.name, p.sharded.requires_grad))
+                        p.buffer, p.unsharded, p.armed = target, None, False
+                    p.register(p.sharded)
+
+    def reset_iter_state(self) -> None:
+        """Forget a failed iteration: finish in-flight gathers, drop unsharded gradients,
+        register the sharded parameters."""
+        if self._gathers is not None:
+            for handle in self._gathers:
+                handle.wait()
+            self._gathers = None
+            self.is_unsharded = True
+        self.training_state = TrainingState.IDLE
+        self.backward_armed = False
+        self.post_forward_indices.clear()
+        self.reshard()
+        for p in self.params:
+            if p.trainable:
+                p.disarm_grad()
+        for buffer in self.trainable_buffers:
+            buffer.free_grad()
+
+
+
+def fold_replaced_grad(view: torch.Tensor, grad: torch.Tensor, *, includes_view: bool) -> None:
+    """Fold a gradient autograd wrote outside the gradient buffer back into it.
+
+    Under ``create_graph=True`` autograd does not add into a preset ``.grad`` in place: it
+    sets ``.grad = old + new``, so the replacement already holds the view's value
+    (``includes_view``) and is copied; a gradient that arrived while ``.grad`` was ``None``
+    holds only the new contribution and is added.
+    """
+    with torch.no_grad():
+        if includes_view:
+            view.copy_(grad)
+        else:
+            view.add_(grad)

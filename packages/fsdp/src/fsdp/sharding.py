@@ -1,0 +1,152 @@
+"""From a module's parameters to a planned, sharded group: collect, plan, allocate, register.
+
+``fully_shard`` collects the parameters its modules own (not those of submodules already
+sharded, nor ``ignored_params``), in registration order, with every ``(module, attribute)``
+slot that registers each (tied weights), plans them with ``layout_planner.plan_buckets`` per
+kind (trainable parameters of one dtype; frozen parameters of one dtype, which get a DBuffer
+without gradient memory), allocates one DBuffer per bucket, copies each rank's run in once,
+and registers a RaggedShard DTensor parameter over each run in place of the original.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from dbuffer import DBuffer
+from layout_planner import TensorSpec, plan_buckets
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fsdp.buffers import make_buffer, sharded_parameter
+from fsdp.param_group import FSDPParamGroup, ManagedParam
+from fsdp.policies import UnitPolicy, resolve_unit
+
+# Original parameter -> the modules of the group that took it, to name both in the error
+# FSDP2 gives for a parameter shared across groups.
+_OWNER_OF: weakref.WeakKeyDictionary[nn.Parameter, str] = weakref.WeakKeyDictionary()
+# Sharded parameters we registered, to recognise fully_shard applied top-down.
+_SHARDED: weakref.WeakSet[nn.Parameter] = weakref.WeakSet()
+
+_COLLECTIVE_ALIGN_BYTES = 16
+
+
+@dataclass
+class Collected:
+    """A parameter to shard: its name in the group and every slot registering it."""
+
+    name: str
+    param: nn.Parameter
+    slots: list[tuple[nn.Module, str]]
+
+
+def managed_modules(modules: Iterable[nn.Module],
+                    is_sharded: Callable[[nn.Module], bool]) -> list[tuple[str, nn.Module]]:
+    """The modules whose parameters a new group takes: ``modules`` and their descendants,
+    not descending into modules that already have a ``fully_shard`` state."""
+    modules = list(modules)
+    found: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(prefix: str, module: nn.Module, root: bool) -> None:
+        if id(module) in seen or (not root and is_sharded(module)):
+            return
+        seen.add(id(module))
+        found.append((prefix, module))
+        for name, child in module.named_children():
+            visit(f"{prefix}.{name}" if prefix else name, child, False)
+
+    for i, module in enumerate(modules):
+        visit(str(i) if len(modules) > 1 else "", module, True)
+    return found
+
+
+def collect_params(modules: list[tuple[str, nn.Module]],
+                   ignored: set[nn.Parameter]) -> list[Collected]:
+    """Parameters of ``modules`` in registration order, tied ones once with all their slots.
+
+    Raises:
+        ValueError: for a parameter already sharded (``fully_shard`` applied top-down), one
+            owned by another group (shared across groups), or one with no elements.
+    """
+    by_param: dict[nn.Parameter, Collected] = {}
+    for prefix, module in modules:
+        for attr, param in module._parameters.items():
+            if param is None or param in ignored:
+                continue
+            name = f"{prefix}.{attr}" if prefix else attr
+            if param in by_param:
+                by_param[param].slots.append((module, attr))
+                continue
+            if param in _SHARDED:
+                raise ValueError(
+                    f"fully_shard: parameter {name!r} is already sharded by fully_shard on an "
+                    "enclosing module; apply fully_shard bottom-up (blocks first, then the root)")
+            if param in _OWNER_OF:
+                raise ValueError(
+                    f"fully_shard: parameter {name!r} is shared with the group of "
+                    f"{_OWNER_OF[param]}, which already manages it; a parameter can belong "
+                    "to one group only: put both modules in one group with "
+                    "fully_shard([module_a, module_b])")
+            if param.numel() == 0:
+                raise ValueError(f"fully_shard: parameter {name!r} has no elements (shape "
+                                 f"{tuple(param.shape)}); fsdp cannot shard it: exclude it "
+                                 "with ignored_params")
+            by_param[param] = Collected(name, param, [(module, attr)])
+    return list(by_param.values())
+
+
+def _kind(param: nn.Parameter) -> tuple[bool, torch.dtype]:
+    return param.requires_grad, param.dtype
+
+
+def _align(dtypes: Iterable[torch.dtype]) -> int:
+    """Elements per 16 bytes in the narrowest dtype a buffer's collectives move."""
+    return max(1, _COLLECTIVE_ALIGN_BYTES // min(d.itemsize for d in dtypes))
+
+
+def build_group(collected: list[Collected], mesh: DeviceMesh, device: torch.device,
+                mp_policy: MixedPrecisionPolicy, unit_policy: UnitPolicy | None,
+                shard_placement_fn: Callable[[nn.Parameter], object] | None,
+                label: str) -> FSDPParamGroup:
+    """Plan, allocate and register the sharded parameters of one group.
+
+    Every rank computes the same plans from the same parameter shapes; each DBuffer checks
+    that with one small collective at construction, raising on every rank on a mismatch.
+    """
+    units = {c.name: resolve_unit(c.name, c.param, unit_policy, shard_placement_fn)
+             for c in collected}
+    shard_size = mesh.size(mesh.ndim - 1)
+    kinds: dict[tuple[bool, torch.dtype], list[Collected]] = {}
+    for c in collected:
+        kinds.setdefault(_kind(c.param), []).append(c)
+    managed: list[ManagedParam] = []
+    buffers: list[DBuffer] = []
+    for (requires_grad, dtype), members in kinds.items():
+        compute = mp_policy.param_dtype or dtype
+        reduce = mp_policy.reduce_dtype or compute
+        specs = [TensorSpec(c.name, c.param.numel(), units[c.name], tuple(c.param.shape))
+                 for c in members]
+        by_name = {c.name: c for c in members}
+        for plan in plan_buckets(specs, shard_size, align=_align((dtype, compute, reduce))):
+            names = [e.name for e in plan.entries]
+            full = None if any(by_name[n].param.is_meta for n in names) else {
+                n: by_name[n].param for n in names}
+            buffer = make_buffer(plan, mesh, device=device, dtype=dtype, mp_policy=mp_policy,
+                                 trainable=requires_grad, full_tensors=full)
+            buffers.append(buffer)
+            for name in names:
+                c = by_name[name]
+                sharded = sharded_parameter(buffer, name, requires_grad)
+                _OWNER_OF[c.param] = label
+                _SHARDED.add(sharded)
+                m = ManagedParam(name, c.slots, buffer, sharded)
+                m.register(sharded)
+                managed.append(m)
+    order = {c.name: i for i, c in enumerate(collected)}
+    managed.sort(key=lambda m: order[m.name])
+    return FSDPParamGroup(managed, buffers, label, mesh, mp_policy)
+

@@ -1,0 +1,334 @@
+"""The hooks that drive a group through a step: module forward hooks and autograd hooks.
+
+One :class:`FSDPState` per ``fully_shard`` call. Its forward pre-hook unshards the group
+(prefetching the next one), its forward hook reshards and hooks the outputs so the backward
+re-gathers first; an autograd function on the inputs calls the group's post-backward once
+the module's backward is done, and a callback queued on the autograd engine finishes the
+step at the root: groups whose post-backward never ran are reduced, in-flight
+reduce-scatters are awaited, and every group is resharded. The first state to run forward
+is the root; it initialises the shared context of every state below it lazily, as FSDP2 does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.utils import _apply_to_tensors
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fsdp.param_group import FSDPParamGroup, PendingReduce, TrainingState
+
+_STATE_ATTR = "_fsdp_ragged_state"
+
+
+@dataclass
+class StepContext:
+    """What every state of one root shares for the current step."""
+
+    all_states: list[FSDPState] = field(default_factory=list)
+    iter_forward_root: FSDPState | None = None
+    final_callback_queued: bool = False
+    is_last_backward: bool = True
+    post_forward_order: list[FSDPParamGroup] = field(default_factory=list)
+    forward_order: list[FSDPParamGroup] = field(default_factory=list)
+    forward_order_complete: bool = False
+    pending_reduce: PendingReduce | None = None
+
+    def wait_pending_reduce(self) -> None:
+        """Finish the one reduce-scatter kept in flight (bounding gradient memory)."""
+        pending, self.pending_reduce = self.pending_reduce, None
+        if pending is not None:
+            pending.group.finish_reduce(pending)
+
+    def push_reduce(self, pending: PendingReduce | None) -> None:
+        """Keep ``pending`` in flight after finishing the previous one."""
+        if pending is None:
+            return
+        self.wait_pending_reduce()
+        self.pending_reduce = pending
+
+
+def get_state(module: nn.Module) -> FSDPState | None:
+    """The fsdp state of ``module``, if ``fully_shard`` was applied to it."""
+    return module.__dict__.get(_STATE_ATTR)
+
+
+class FSDPState:
+    """The hooks of one ``fully_shard`` call (one module, or several in the list form).
+
+    Args:
+        modules: the modules of the call.
+        group: their parameter group (``None`` when they own no parameters).
+        mp_policy: the mixed-precision policy (input and output casts).
+        auto_reshard_after_forward: whether ``reshard_after_forward`` was left to default
+            (``False`` for the root, decided lazily).
+    """
+
+    def __init__(self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None,
+                 mp_policy: MixedPrecisionPolicy, auto_reshard_after_forward: bool) -> None:
+        self.modules = modules
+        self.group = group
+        self.mp_policy = mp_policy
+        self.auto_reshard_after_forward = auto_reshard_after_forward
+        self.is_root: bool | None = None
+        self.ctx = StepContext()
+        self.training_state = TrainingState.IDLE
+        self.states_to_forward_prefetch: list[FSDPState] | None = None
+        self.states_to_backward_prefetch: list[FSDPState] | None = None
+        self._modules_to_run: set[nn.Module] = set()
+        for module in modules:
+            module.__dict__[_STATE_ATTR] = self
+            module.register_forward_pre_hook(self._module_pre_forward, prepend=True,
+                                             with_kwargs=True)
+            module.register_forward_hook(self._module_post_forward, always_call=True)
+
+    @property
+    def groups(self) -> list[FSDPParamGroup]:
+        """The state's parameter group as a list (empty without parameters)."""
+        return [] if self.group is None else [self.group]
+
+    # --------------------------------------------------------------------- lazy root init
+    def _lazy_init(self) -> None:
+        if self.is_root is not None:
+            return
+        if len(self.modules) > 1:
+            raise RuntimeError("fsdp: the root of a model must be a single module, but the "
+                               f"first fully_shard module to run forward is a list: "
+                               f"{[type(m).__name__ for m in self.modules]}")
+        self.is_root = True
+        ctx = self.ctx
+        for name, module in self.modules[0].named_modules():
+            state = get_state(module)
+            if state is None or state in ctx.all_states:
+                continue
+            if state is not self:
+                if state.is_root is not None:
+                    raise RuntimeError(
+                        f"fsdp: {name or 'the module'} already ran forward as a root; run "
+                        "forward through the model's root module first")
+                state.is_root = False
+                state.ctx = ctx
+            ctx.all_states.append(state)
+        if self.auto_reshard_after_forward and self.group is not None:
+            self.group.config.reshard_after_forward = False
+
+    # ----------------------------------------------------------------------------- forward
+    def _module_pre_forward(self, module: nn.Module, args: tuple[Any, ...],
+                            kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if len(self.modules) > 1 and not self._modules_to_run:
+            self._modules_to_run.update(self.modules)
+        return self.pre_forward(args, kwargs)
+
+    def _module_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if len(self.modules) > 1:
+            if module not in self._modules_to_run:
+                return self._cast_output(output)
+            self._modules_to_run.discard(module)
+            if self._modules_to_run:
+                return self._cast_output(output)
+        return self.post_forward(output)
+
+    def pre_forward(self, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Unshard (and prefetch the next group) before the module runs."""
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            # A forward inside backward (activation checkpointing recomputes it).
+            for group in self.groups:
+                group.unshard()
+                group.wait_for_unshard()
+            return self._cast_inputs(args, kwargs)
+        first_in_pass = self.training_state != TrainingState.FORWARD
+        self.training_state = TrainingState.FORWARD
+        if first_in_pass:
+            self._lazy_init()
+            if self.ctx.iter_forward_root is None:
+                self.ctx.iter_forward_root = self
+                self.ctx.wait_pending_reduce()
+        args, kwargs = self._cast_inputs(args, kwargs)
+        for group in self.groups:
+            args, kwargs = group.pre_forward(
+                args, kwargs, functools.partial(_register_post_backward, self.ctx))
+            if self.ctx.iter_forward_root is not None and not self.ctx.forward_order_complete:
+                if group not in self.ctx.forward_order:
+                    self.ctx.forward_order.append(group)
+        if first_in_pass:
+            self._forward_prefetch()
+        return args, kwargs
+
+    def _forward_prefetch(self) -> None:
+        if self.states_to_forward_prefetch is not None:
+            targets = [g for s in self.states_to_forward_prefetch for g in s.groups]
+        elif self.ctx.forward_order_complete and self.group in self.ctx.forward_order:
+            order = self.ctx.forward_order
+            index = order.index(self.group)
+            targets = order[index + 1:index + 2]
+        else:
+            targets = []
+        for target in targets:
+            previous, target.training_state = target.training_state, TrainingState.FORWARD
+            target.unshard(async_op=True)
+            target.training_state = previous
+
+    def post_forward(self, output: Any) -> Any:
+        """Reshard (when configured) and hook the outputs for the backward."""
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            return self._cast_output(output)
+        for group in self.groups:
+            group.post_forward(self.ctx.post_forward_order)
+        output = self._register_pre_backward(output)
+        self.training_state = TrainingState.IDLE
+        if self.ctx.iter_forward_root is self:
+            output = self._complete_forward(output)
+        return self._cast_output(output)
+
+    def _complete_forward(self, output: Any) -> Any:
+        """At the root's post-forward: finish list groups that did not run every module,
+        and reshard groups that were prefetched but never ran."""
+        ctx = self.ctx
+        for state in reversed(ctx.all_states):
+            if state is not self and state._modules_to_run:
+                state._modules_to_run.clear()
+                output = state.post_forward(output)
+        for state in ctx.all_states:
+            for group in state.groups:
+                if group.training_state == TrainingState.IDLE and group.config.reshard_after_forward:
+                    previous, group.training_state = group.training_state, TrainingState.FORWARD
+                    group.reshard()
+                    group.training_state = previous
+        ctx.forward_order_complete = True
+        ctx.iter_forward_root = None
+        return output
+
+    def _cast_inputs(self, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        dtype = self.mp_policy.param_dtype
+        if not (self.mp_policy.cast_forward_inputs and dtype):
+            return args, kwargs
+        cast = functools.partial(_cast_floating, dtype)
+        return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+
+    def _cast_output(self, output: Any) -> Any:
+        dtype = self.mp_policy.output_dtype
+        if dtype is None:
+            return output
+        return _apply_to_tensors(functools.partial(_cast_floating, dtype), output)
+
+    # ---------------------------------------------------------------------------- backward
+    def _register_pre_backward(self, output: Any) -> Any:
+        if not torch.is_grad_enabled() or not self.groups:
+            return output
+        flat, _ = tree_flatten(output)
+        for tensor in flat:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(self._pre_backward)
+        return output
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        self.training_state = TrainingState.PRE_BACKWARD
+        self._queue_final_callback()
+        for group in self.groups:
+            first = group.training_state != TrainingState.PRE_BACKWARD
+            group.pre_backward()
+            if first and self.states_to_backward_prefetch is None:
+                self._implicit_backward_prefetch(group)
+        for state in self.states_to_backward_prefetch or ():
+            for target in state.groups:
+                _prefetch_for_backward(target)
+        return grad
+
+    def _implicit_backward_prefetch(self, group: FSDPParamGroup) -> None:
+        if not group.post_forward_indices:
+            return
+        index = group.post_forward_indices.pop()
+        if index > 0:
+            _prefetch_for_backward(self.ctx.post_forward_order[index - 1])
+
+    def _queue_final_callback(self) -> None:
+        if self.ctx.final_callback_queued:
+            return
+        self.ctx.final_callback_queued = True
+        Variable._execution_engine.queue_callback(self._final_callback)
+
+    def _final_callback(self) -> None:
+        """End of backward: reduce what was not reduced, wait, reshard, reset."""
+        ctx = self.ctx
+        with torch.profiler.record_function("FSDP::root_post_backward_callback"):
+            for state in reversed(ctx.all_states):
+                for group in state.groups:
+                    if group.training_state != TrainingState.POST_BACKWARD:
+                        ctx.push_reduce(group.post_backward())
+            ctx.wait_pending_reduce()
+            for state in ctx.all_states:
+                state.training_state = TrainingState.IDLE
+                state._modules_to_run.clear()
+                for group in state.groups:
+                    group.training_state = TrainingState.IDLE
+                    group.backward_armed = False
+                    group.post_forward_indices.clear()
+            ctx.post_forward_order.clear()
+            ctx.final_callback_queued = False
+
+    def reset_iter_state(self) -> None:
+        """Recover from a forward or backward that raised (see ``FSDPModule``)."""
+        if self.is_root is False:
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+        ctx = self.ctx
+        pending, ctx.pending_reduce = ctx.pending_reduce, None
+        if pending is not None:
+            for handle in pending.handles:
+                handle.wait()
+        for state in ctx.all_states or [self]:
+            state.training_state = TrainingState.IDLE
+            state._modules_to_run.clear()
+            for group in state.groups:
+                group.reset_iter_state()
+        ctx.post_forward_order.clear()
+        ctx.iter_forward_root = None
+        ctx.final_callback_queued = False
+
+
+def _prefetch_for_backward(group: FSDPParamGroup) -> None:
+    previous, group.training_state = group.training_state, TrainingState.PRE_BACKWARD
+    group.unshard(async_op=True)
+    group.training_state = previous
+
+
+def _cast_floating(dtype: torch.dtype, tensor: torch.Tensor) -> torch.Tensor:
+    if not torch.is_floating_point(tensor) or tensor.dtype == dtype:
+        return tensor
+    return tensor.to(dtype)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the module's inputs whose backward runs the group's post-backward: the
+    gradients w.r.t. a module's inputs are ready only after its parameters' gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, group: FSDPParamGroup, context: StepContext,
+                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        ctx.context = context
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.context.push_reduce(ctx.group.post_backward())
+        return (None, None, *grads)
+
+
+def _register_post_backward(context: StepContext, group: FSDPParamGroup, args: tuple[Any, ...],
+                            kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        return args, kwargs
+    outputs = _PostBackward.apply(group, context, *(flat[i] for i in positions))
+    for i, out in zip(positions, outputs):
+        flat[i] = out
+    return tree_unflatten(flat, spec)
