@@ -19,6 +19,7 @@ measured in the same test at the same world size:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -56,8 +57,7 @@ def require(impl: str) -> None:
 @functools.cache
 def reference(spec: RunSpec) -> dict:
     """The one-process run on the full batch (fp32 even for a bf16 spec)."""
-    return train(RunSpec(spec.optimizer, spec.steps, spec.global_batch, 1, False, spec.clip),
-                 None)
+    return train(dataclasses.replace(spec, micro_batches=1, bf16=False, shadow=False), None)
 
 
 _sharded: dict[tuple[RunSpec, str, int], dict] = {}
