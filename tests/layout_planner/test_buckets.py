@@ -79,3 +79,25 @@ def test_mixtral_8x22b_layer_at_16_rows() -> None:
 def test_bad_max_buckets() -> None:
     with pytest.raises(ValueError, match="max_buckets"):
         plan_buckets([TensorSpec("a", 4)], 2, max_buckets=0)
+
+
+def test_bucket_cost_keeps_one_buffer_unless_a_split_saves_more_than_it_costs() -> None:
+    h, f, kv = 4096, 14336, 1024
+    shapes = {"in_norm": (h,), "q": (h, h), "k": (kv, h), "v": (kv, h), "o": (h, h), "post_norm": (h,),
+              "gate": (f, h), "up": (f, h), "down": (h, f)}
+    specs = [_rows(n, s, 1) for n, s in shapes.items()]
+    single = plan(specs, 1024, align=4)
+    free = plan_buckets(specs, 1024, align=4)
+    saving = single.padding - sum(b.padding for b in free)
+    assert len(free) > 1 and saving > 0
+    # one extra buffer must save at least bucket_cost padding elements to be chosen
+    per_extra = saving // (len(free) - 1)
+    assert plan_buckets(specs, 1024, align=4, bucket_cost=per_extra + 1) != free
+    assert plan_buckets(specs, 1024, align=4, bucket_cost=10 * single.padding) == [single]
+    assert len(plan_buckets(specs, 1024, align=4, bucket_cost=1)) > 1
+
+
+@pytest.mark.parametrize("cost", [-1, 1.5, True])
+def test_bad_bucket_cost(cost) -> None:
+    with pytest.raises(ValueError, match="bucket_cost"):
+        plan_buckets([TensorSpec("a", 4), TensorSpec("b", 4)], 2, bucket_cost=cost)

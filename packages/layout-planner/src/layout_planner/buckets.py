@@ -150,7 +150,8 @@ def _starts(kinds: list[tuple[int, int]], counts: list[int], max_buckets: int) -
 
 
 def plan_buckets(
-    specs: Iterable[TensorSpec], world_size: int, *, align: int = 1, max_buckets: int = 4
+    specs: Iterable[TensorSpec], world_size: int, *, align: int = 1, max_buckets: int = 4,
+    bucket_cost: int = 0,
 ) -> list[Plan]:
     """Plan one group as up to ``max_buckets`` buffers with the least total padding found.
 
@@ -163,6 +164,9 @@ def plan_buckets(
         world_size: Number of ranks.
         align: Alignment in elements, as in :func:`~layout_planner.planner.plan`.
         max_buckets: Most buffers allowed; ``1`` gives exactly ``[plan(specs, ...)]``.
+        bucket_cost: Padding elements (summed over ranks) each extra buffer must save to be
+            worth it: every buffer is one more collective per pass, whose latency costs as
+            much as moving some bytes (``0``: least padding wins).
 
     Returns:
         The plans, one per non-empty bucket.
@@ -174,6 +178,8 @@ def plan_buckets(
     check_positive("world_size", world_size)
     check_positive("align", align)
     check_positive("max_buckets", max_buckets)
+    if isinstance(bucket_cost, bool) or not isinstance(bucket_cost, int) or bucket_cost < 0:
+        raise ValueError(f"bucket_cost must be a non-negative int, got {bucket_cost!r}")
     single = plan(specs, world_size, align=align)
     if max_buckets == 1 or len(specs) < 2:
         return [single]
@@ -192,7 +198,7 @@ def plan_buckets(
             continue
         tried.add(canonical)
         plans = _realise(specs, kinds, kind_of, split, world_size, align)
-        key = (sum(p.padding for p in plans), len(plans))
+        key = (sum(p.padding for p in plans) + bucket_cost * (len(plans) - 1), len(plans))
         if key < best_key:
             best_plans, best_key = plans, key
     return best_plans
