@@ -1,10 +1,11 @@
 """Calibrate the simulator's alpha-beta ring model on gloo, and test it on held-out points.
 
-Measures ``dist.all_gather_single`` and ``dist.reduce_scatter_single`` on spawned CPU gloo
-ranks (one thread each) at world sizes 2, 3 and 4 and several per-rank message sizes: for
-each point, the median over repetitions of the slowest rank's wall time (messages under 1 MiB
-run several collectives back to back per timing, and the time is divided by their number). Then, per collective,
-fits ``t = (m - 1) * (alpha + chunk_bytes / beta)`` with
+Measures ``dist.all_gather_single`` and ``dist.reduce_scatter_single`` on 4 spawned CPU gloo
+ranks (one thread each), on subgroups of world sizes 2, 3 and 4, at several per-rank message
+sizes, every repetition visiting every point in turn (see ``_measure``). For each point it
+takes the median over repetitions of the slowest rank's wall time (messages under 1 MiB run
+several collectives back to back per timing, divided by their number). Then, per collective,
+it fits ``t = (m - 1) * (alpha + chunk_bytes / beta)`` with
 :func:`layout_planner.comm_model.fit_link` on a training subset (world sizes 2 and 4, all but
 one message size) and reports the relative prediction error on the held-out points (world
 size 3 at every size, and the held-out size at 2 and 4). The whole measurement runs twice so
@@ -13,7 +14,7 @@ the spread between runs shows the machine's noise.
 Gloo over loopback on a shared 2-core machine is not a ring over real links: the fit checks
 the model's form (linear in ``m - 1`` and in the chunk size), it says nothing about GPUs.
 
-Run: ``python benchmarks/simulate_calibration.py [--runs 2] [--reps 7]``; writes
+Run: ``python benchmarks/simulate_calibration.py [--runs 2] [--reps 9]``; writes
 ``benchmarks/results/simulate_calibration.json``.
 """
 
@@ -51,44 +52,47 @@ def _batch(elements: int) -> int:
     return max(1, min(32, BATCH_ELEMENTS // elements))
 
 
-def _measure(elements: tuple[int, ...], reps: int) -> dict[str, dict[int, list[float]]]:
-    """On every rank: per collective and size, the slowest rank's time of each repetition
-    (divided by the batch: seconds per collective)."""
+def _measure(elements: tuple[int, ...], reps: int) -> dict[str, dict[int, dict[int, list[float]]]]:
+    """On every rank of ``max(WORLDS)``: per collective, world size and message size, the slowest
+    rank's seconds per collective in each repetition.
+
+    The smaller world sizes run on subgroups of the first ranks, and every repetition visits
+    every (world, size, collective) point once, so a busy spell of the shared machine lands on
+    all points alike instead of on whichever point was being measured at the time.
+    """
     import torch
     import torch.distributed as dist
 
-    world = dist.get_world_size()
-    out: dict[str, dict[int, list[float]]] = {c: {} for c in COLLECTIVES}
-    for n in elements:
-        shard = torch.randn(n)
-        full = torch.empty(world * n)
-        for name in COLLECTIVES:
-            times = []
+    rank = dist.get_rank()
+    groups = {w: dist.new_group(list(range(w))) for w in WORLDS}
+    buffers = {(w, n): (torch.randn(n), torch.empty(w * n)) for w in WORLDS for n in elements}
+    points = [(c, w, n) for w in WORLDS for n in elements for c in COLLECTIVES]
+    times = torch.zeros(len(points), reps, dtype=torch.float64)
+    for i in range(reps + 2):  # two warm-up rounds
+        for k, (name, w, n) in enumerate(points):
+            dist.barrier()
+            if rank >= w:
+                continue
+            shard, full = buffers[(w, n)]
             batch = _batch(n)
-            for i in range(reps + 2):  # two warm-up runs
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(batch):
-                    if name == "all_gather":
-                        dist.all_gather_single(full, shard)
-                    else:
-                        dist.reduce_scatter_single(shard, full)
-                if i >= 2:
-                    times.append((time.perf_counter() - start) / batch)
-            slowest = torch.tensor(times, dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            out[name][n] = slowest.tolist()
+            start = time.perf_counter()
+            for _ in range(batch):
+                if name == "all_gather":
+                    dist.all_gather_single(full, shard, group=groups[w])
+                else:
+                    dist.reduce_scatter_single(shard, full, group=groups[w])
+            if i >= 2:
+                times[k, i - 2] = (time.perf_counter() - start) / batch
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # ranks outside a point's group hold 0
+    out: dict[str, dict[int, dict[int, list[float]]]] = {c: {w: {} for w in WORLDS} for c in COLLECTIVES}
+    for k, (name, w, n) in enumerate(points):
+        out[name][w][n] = times[k].tolist()
     return out
 
 
 def measure(reps: int) -> dict[str, dict[int, dict[int, list[float]]]]:
     """``{collective: {world: {elements: [seconds per repetition]}}}`` over ``WORLDS``."""
-    result: dict[str, dict[int, dict[int, list[float]]]] = {c: {} for c in COLLECTIVES}
-    for world in WORLDS:
-        per_world = run_on_gloo_ranks(_measure, world, ELEMENTS, reps)
-        for c in COLLECTIVES:
-            result[c][world] = per_world[c]
-    return result
+    return run_on_gloo_ranks(_measure, max(WORLDS), ELEMENTS, reps)
 
 
 def fit_and_test(medians: dict[int, dict[int, float]]) -> dict[str, Any]:
