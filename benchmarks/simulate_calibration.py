@@ -134,14 +134,16 @@ def main() -> None:
             medians = {w: {n: statistics.median(raw[c][w][n]) for n in ELEMENTS} for w in WORLDS}
             fits[c] = fit_and_test(medians)
             f = fits[c]
-            print(f"run {run} {c:14}: alpha {1e6 * f['alpha_s']:8.1f} us  beta {f['beta_bytes_per_s'] / 1e9:6.3f} GB/s  "
+            print(f"run {run} {c:14}: alpha {1e6 * f['alpha_s']:8.1f} us  "
+                  f"beta {f['beta_bytes_per_s'] / 1e9:6.3f} GB/s  "
                   f"held-out |err| median {100 * f['held_out_median_abs_rel_error']:5.1f}% "
                   f"max {100 * f['held_out_max_abs_rel_error']:5.1f}%  "
                   f"train |err| median {100 * f['train_median_abs_rel_error']:5.1f}%")
             for p in f["points"]:
                 tag = "held-out" if p["held_out"] else "train"
-                print(f"    m={p['world_size']} {p['bytes'] / 1024:7.0f} KiB  measured {1e3 * p['measured_s']:8.3f} ms  "
-                      f"predicted {1e3 * p['predicted_s']:8.3f} ms  {100 * p['rel_error']:+6.1f}%  {tag}")
+                print(f"    m={p['world_size']} {p['bytes'] / 1024:7.0f} KiB  "
+                      f"measured {1e3 * p['measured_s']:8.3f} ms  predicted {1e3 * p['predicted_s']:8.3f} ms  "
+                      f"{100 * p['rel_error']:+6.1f}%  {tag}")
         runs.append({"seconds": time.perf_counter() - start, "fits": fits,
                      "samples": {c: {str(w): {str(n): v for n, v in raw[c][w].items()} for w in WORLDS}
                                  for c in COLLECTIVES}})

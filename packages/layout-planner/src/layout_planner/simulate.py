@@ -196,7 +196,9 @@ def _forcing(p: Plan) -> tuple[int, PlanEntry | None]:
 
 
 @lru_cache(maxsize=64)
-def _plan_groups(model: Model, shard: int, rule: UnitRule, align: int, max_buckets: int) -> tuple[tuple[Plan, ...], ...]:
+def _plan_groups(
+    model: Model, shard: int, rule: UnitRule, align: int, max_buckets: int
+) -> tuple[tuple[Plan, ...], ...]:
     """Every group's buckets at one shard-group size; cached, as a sweep meets each size many times."""
     return tuple(tuple(plan_buckets(g.specs(rule), shard, align=align, max_buckets=max_buckets)) for g in model.groups)
 
@@ -274,6 +276,7 @@ def predict_step(
     Raises:
         ValueError: On an unknown model, a size that is not a positive int, a shard group
             that does not divide ``world_size``, or non-positive element sizes.
+        TypeError: When ``cluster`` is not a :class:`~layout_planner.comm_model.Cluster`.
     """
     if isinstance(model, str):
         model = get_model(model)
@@ -284,12 +287,15 @@ def predict_step(
         raise ValueError(f"shard_group {shard} does not divide world_size {world_size}")
     check_positive("param_bytes", param_bytes)
     check_positive("reduce_bytes", reduce_bytes)
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
     options = _Options(cluster, param_bytes, reduce_bytes, 2 if reshard_after_forward else 1)
     start = time.perf_counter()
     planned = _plan_groups(model, shard, rule, align, max_buckets)
     plan_seconds = time.perf_counter() - start
+    replicate = world_size // shard
     groups = tuple(
-        _group_step(g.name, g.count, plans, shard, world_size // shard, options) for g, plans in zip(model.groups, planned)
+        _group_step(g.name, g.count, plans, shard, replicate, options) for g, plans in zip(model.groups, planned)
     )
     return StepPrediction(model.name, world_size, shard, str(rule), groups, plan_seconds)
 
@@ -319,7 +325,9 @@ def sweep(
     for shard in shard_groups:
         check_positive("shard_group", shard)
         if not any(shard < w and w % shard == 0 for w in world_sizes):
-            raise ValueError(f"shard group {shard} is smaller than and divides none of the world sizes {list(world_sizes)}")
+            raise ValueError(
+                f"shard group {shard} is smaller than and divides none of the world sizes {list(world_sizes)}"
+            )
     rows = []
     for world in world_sizes:
         rows.append(predict_step(model, world, **options))
