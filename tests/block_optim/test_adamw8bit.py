@@ -244,31 +244,3 @@ def test_unit_policy() -> None:
     assert unit("w", torch.empty(64, 64)) == 256
     assert unit("b", torch.empty(4095)) == 1
     assert AdamW8bit.unit_policy(block_size=128)("w", torch.empty(4096)) == 128
-
-
-def test_cpu_path_in_chunks_equals_one_pass() -> None:
-    """The CPU path steps 65536 elements at a time; the result equals one pass over the whole
-    tensor bit for bit (also for a non-contiguous parameter)."""
-    from block_optim.adamw8bit_math import _step_chunk
-
-    torch.manual_seed(6)
-    numel = 70_001                                         # two chunks, short last block
-    signed, unsigned = dynamic_map(True), dynamic_map(False)
-    state = [torch.randn(numel), *quantize_blockwise(torch.randn(numel) * 1e-2, signed),
-             *quantize_blockwise(torch.rand(numel) * 1e-4, unsigned)]
-    whole = [t.clone() for t in state]
-    g = torch.randn(numel) * 1e-2
-    s = AdamWScalars.for_step(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                              step=2)
-    adamw8bit_step_torch_(state[0], g, QuantizedMoments(*state[1:], signed, unsigned), s)
-    _step_chunk(whole[0], g, QuantizedMoments(*whole[1:], signed, unsigned, 256), s)
-    assert all(torch.equal(a, b) for a, b in zip(state, whole))
-    strided = torch.randn(60, 100).t()                     # non-contiguous (100, 60)
-    flat = strided.reshape(-1).clone()
-    codes = [*quantize_blockwise(torch.zeros(6000), signed),
-             *quantize_blockwise(torch.zeros(6000), unsigned)]
-    codes_copy = [c.clone() for c in codes]
-    g2 = torch.randn(100, 60)
-    adamw8bit_step_torch_(strided, g2, QuantizedMoments(*codes, signed, unsigned), s)
-    _step_chunk(flat, g2.reshape(-1), QuantizedMoments(*codes_copy, signed, unsigned, 256), s)
-    assert torch.equal(strided.reshape(-1), flat)

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from block_optim.quantization import (
-    _bucket_table,
     code_midpoints,
     dequantize_blockwise,
     dynamic_map,
@@ -59,19 +58,21 @@ def test_codes_are_the_nearest_map_entry(signed: bool) -> None:
 def test_bucket_lookup_equals_a_binary_search(signed: bool) -> None:
     """The table lookup in ``nearest_codes`` relies on every 16-bit bucket of [-1, 1] holding
     at most one midpoint; check that, then compare with ``torch.bucketize`` on every midpoint,
-    its fp32 neighbours, every map entry and random values over nine decades."""
+    its fp32 neighbours, every map entry, signed zeros, denormals and random values over
+    forty decades."""
     qmap = dynamic_map(signed)
     mids = code_midpoints(qmap)
-    below, _ = _bucket_table(tuple(qmap.tolist()), torch.device("cpu"))
     bucket_of = lambda v: (v.view(torch.int32) >> 16) & 0xFFFF  # noqa: E731
     inner = mids[:-1]
     counts = torch.bincount(bucket_of(inner).long(), minlength=65536)
     assert counts.max() <= 1
     torch.manual_seed(3)
     up, down = torch.tensor(2.0), torch.tensor(-2.0)
+    tiny = torch.finfo(torch.float32).tiny
     values = torch.cat([inner, torch.nextafter(inner, up), torch.nextafter(inner, down), qmap,
-                        torch.tensor([0.0, -0.0, 1.0, -1.0]),
-                        (torch.rand(20000) * 2 - 1) * torch.logspace(-9, 0, 20000)])
+                        torch.tensor([0.0, -0.0, 1.0, -1.0, tiny, -tiny, tiny / 2**23,
+                                      -tiny / 2**23, tiny / 3, -tiny / 3]),
+                        (torch.rand(20000) * 2 - 1) * torch.logspace(-40, 0, 20000)])
     values = values.clamp(-1.0, 1.0)
     assert torch.equal(nearest_codes(values, qmap).long(), torch.bucketize(values, mids))
 

@@ -13,11 +13,18 @@ sequence) bit-identical to this module.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from block_optim.quantization import BLOCK_SIZE, dequantize_blockwise, num_blocks, quantize_blockwise
+from block_optim.quantization import (
+    BLOCK_SIZE,
+    CodeScratch,
+    code_table,
+    dequantize_blocks_,
+    num_blocks,
+    quantize_blocks_,
+)
 
 
 _CHUNK_ELEMENTS = 1 << 16
@@ -178,6 +185,58 @@ def adamw_fp32_step_(
     exp_avg_sq.copy_(new_v.view(exp_avg_sq.shape))
 
 
+@dataclass(frozen=True)
+class _ScalarTensors:
+    """:class:`AdamWScalars` as 0-dim fp32 tensors: an op with a Python float operand wraps it
+    in a new tensor on every call (several microseconds, as much as the op itself on a chunk);
+    a 0-dim fp32 operand gives the same fp32 arithmetic."""
+
+    beta1: torch.Tensor
+    one_minus_beta1: torch.Tensor
+    beta2: torch.Tensor
+    one_minus_beta2: torch.Tensor
+    step_size: torch.Tensor
+    inv_bias_correction2_sqrt: torch.Tensor
+    eps: torch.Tensor
+    decay: torch.Tensor
+
+    @classmethod
+    def of(cls, s: AdamWScalars, device: torch.device) -> _ScalarTensors:
+        return cls(**{f.name: torch.tensor(getattr(s, f.name), dtype=torch.float32, device=device)
+                      for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class _Workspace:
+    """The CPU path's buffers for one chunk, reused by every chunk of a step.
+
+    Attributes:
+        m: fp32 first moment.
+        v: fp32 second moment.
+        tmp: fp32 temporary (the update terms, the denominator).
+        wide: float64 buffer for the correctly rounded square root.
+        param: fp32 copy of a parameter that is not fp32.
+        grad: fp32 copy of a gradient that is not fp32.
+        codes: the (de)quantization buffers.
+    """
+
+    m: torch.Tensor
+    v: torch.Tensor
+    tmp: torch.Tensor
+    wide: torch.Tensor
+    param: torch.Tensor
+    grad: torch.Tensor
+    codes: CodeScratch
+
+    @classmethod
+    def empty(cls, numel: int, device: torch.device) -> _Workspace:
+        def fp32() -> torch.Tensor:
+            return torch.empty(numel, dtype=torch.float32, device=device)
+
+        return cls(fp32(), fp32(), fp32(), torch.empty(numel, dtype=torch.float64, device=device),
+                   fp32(), fp32(), CodeScratch.empty(numel, device))
+
+
 @torch.no_grad()
 def adamw8bit_step_torch_(
     param: torch.Tensor, grad: torch.Tensor, moments: QuantizedMoments, s: AdamWScalars
@@ -185,6 +244,10 @@ def adamw8bit_step_torch_(
     """Dequantize both moments, take one fp32 AdamW step, requantize: all in place.
 
     The parameter is updated with the fp32 moments before requantization (as in bitsandbytes).
+    Bit for bit the composition of :func:`block_optim.quantization.dequantize_blockwise`,
+    :func:`adamw_update` and :func:`block_optim.quantization.quantize_blockwise`, computed
+    in chunks of whole blocks (so the temporaries stay in cache; the result is elementwise and
+    per block, hence the same bits) with in-place ops into buffers allocated once per call.
 
     Args:
         param: parameter (any float dtype), updated in place; flattened into blocks.
@@ -198,30 +261,39 @@ def adamw8bit_step_torch_(
         param.copy_(flat.view(param.shape))
         return
     flat_p, flat_g = param.view(-1), grad.reshape(-1)
-    # Whole blocks at a time, so the temporaries stay in cache (the result is elementwise and
-    # per block, hence the same bits as one pass over the tensor).
-    block_size = moments.block_size
+    numel, block_size = flat_p.numel(), moments.block_size
     chunk = max(block_size, _CHUNK_ELEMENTS // block_size * block_size)
-    for start in range(0, flat_p.numel(), chunk):
-        end = min(start + chunk, flat_p.numel())
-        _step_chunk(flat_p[start:end], flat_g[start:end], moments.elements(start, end), s)
+    ws = _Workspace.empty(min(chunk, numel), flat_p.device)
+    scalars = _ScalarTensors.of(s, flat_p.device)
+    tables = (code_table(moments.signed_map), code_table(moments.unsigned_map))
+    full = numel // block_size * block_size
+    # Whole blocks in chunks, then the short last block (a chunk of one narrower block).
+    pieces = [(a, min(a + chunk, full), block_size) for a in range(0, full, chunk)]
+    if full < numel:
+        pieces.append((full, numel, numel - full))
+    for start, end, width in pieces:
+        _step_chunk(flat_p[start:end], flat_g[start:end], moments.elements(start, end), width,
+                    scalars, tables, ws)
 
 
-def _step_chunk(param: torch.Tensor, grad: torch.Tensor, moments: QuantizedMoments, s: AdamWScalars) -> None:
-    """:func:`adamw8bit_step_torch_` on whole blocks of 1-D views, written back in place."""
-    q = moments
-    new_p, new_m, new_v = adamw_update(
-        param.float(),
-        grad.float(),
-        dequantize_blockwise(q.m_codes, q.m_absmax, q.signed_map, q.block_size),
-        dequantize_blockwise(q.v_codes, q.v_absmax, q.unsigned_map, q.block_size),
-        s,
-    )
-    param.copy_(new_p)
-    for values, qmap, codes, absmax in (
-        (new_m, q.signed_map, q.m_codes, q.m_absmax),
-        (new_v, q.unsigned_map, q.v_codes, q.v_absmax),
-    ):
-        new_codes, new_absmax = quantize_blockwise(values, qmap, q.block_size)
-        codes.copy_(new_codes)
-        absmax.copy_(new_absmax)
+def _step_chunk(param: torch.Tensor, grad: torch.Tensor, q: QuantizedMoments, width: int,
+                s: _ScalarTensors, tables: tuple[torch.Tensor, torch.Tensor],
+                ws: _Workspace) -> None:
+    """:func:`adamw8bit_step_torch_` on blocks of ``width`` elements of 1-D views, the
+    operations of :func:`adamw_update` one for one, written back in place."""
+    n = param.numel()
+    p = param if param.dtype == torch.float32 else ws.param[:n].copy_(param)
+    g = grad if grad.dtype == torch.float32 else ws.grad[:n].copy_(grad)
+    m, v, tmp, wide = ws.m[:n], ws.v[:n], ws.tmp[:n], ws.wide[:n]
+    dequantize_blocks_(q.m_codes, q.m_absmax, q.signed_map, m.view(-1, width), ws.codes)
+    dequantize_blocks_(q.v_codes, q.v_absmax, q.unsigned_map, v.view(-1, width), ws.codes)
+    m.mul_(s.beta1).add_(torch.mul(g, s.one_minus_beta1, out=tmp))
+    v.mul_(s.beta2).add_(torch.mul(g, g, out=tmp).mul_(s.one_minus_beta2))
+    wide.copy_(v).sqrt_()                     # _sqrt_rn: the root in float64, rounded once
+    denom = tmp.copy_(wide).mul_(s.inv_bias_correction2_sqrt).add_(s.eps)
+    p.mul_(s.decay).sub_(torch.div(m, denom, out=tmp).mul_(s.step_size))
+    if p is not param:
+        param.copy_(p)
+    quantize_blocks_(m.view(-1, width), tables[0], q.m_codes, q.m_absmax, ws.codes)
+    quantize_blocks_(v.view(-1, width), tables[1], q.v_codes, q.v_absmax, ws.codes,
+                     nonnegative=True)
