@@ -2,9 +2,11 @@
 
 A *layout* says how a full tensor is placed on a 1-D mesh of ``world`` ranks:
 ``("ragged", k, counts)`` is ``RaggedShard(dims=(0..k-1), local_units=counts)``,
-``("shard", d)`` is ``Shard(d)`` and ``("replicate",)`` is ``Replicate()``. Cases take full
-tensors drawn in the parent, build sharded parameters, step, and return local tensors that the
-parent assembles with :func:`assemble`.
+``("shard", d)`` is ``Shard(d)`` and ``("replicate",)`` is ``Replicate()``. With ``replicas``
+above 1 the mesh is the HSDP mesh ``(replicas, world)`` and the placements are
+``(Replicate(), layout)``. Cases take full tensors drawn in the parent, build sharded
+parameters, step, and return local tensors that the parent assembles with :func:`assemble`
+(HSDP: :func:`assemble_replicas`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ragged_dtensor import RaggedShard
+from ragged_dtensor import RaggedShard, from_local_run, is_ragged
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -35,14 +37,14 @@ def placement_of(layout: Layout) -> Any:
     return Replicate()
 
 
-def shard(full: torch.Tensor, layout: Layout, world: int) -> torch.Tensor:
-    mesh = device_mesh(world)
+def shard(full: torch.Tensor, layout: Layout, world: int, replicas: int = 1) -> torch.Tensor:
+    mesh = device_mesh(world) if replicas == 1 else device_mesh(replicas, world)
     placement = placement_of(layout)
-    if isinstance(placement, RaggedShard):
-        lo, hi = placement.flat_range(tuple(full.shape), dist.get_rank())
-        return DTensor.from_local(full.reshape(-1)[lo:hi].clone(), mesh, [placement], shape=full.shape,
-                                  stride=full.stride(), run_check=False)
-    return distribute_tensor(full.clone(), mesh, [placement], src_data_rank=None)
+    placements = [placement] if replicas == 1 else [Replicate(), placement]
+    if is_ragged(placement):
+        lo, hi = placement.flat_range(tuple(full.shape), mesh.get_local_rank(mesh.ndim - 1))
+        return from_local_run(full.reshape(-1)[lo:hi].clone(), mesh, placements, full.shape)
+    return distribute_tensor(full.clone(), mesh, placements, src_data_rank=None)
 
 
 def assemble(locals_: Sequence[torch.Tensor], shape: Sequence[int], layout: Layout) -> torch.Tensor:
@@ -52,6 +54,15 @@ def assemble(locals_: Sequence[torch.Tensor], shape: Sequence[int], layout: Layo
     if layout[0] == "shard":
         return torch.cat(list(locals_), dim=layout[1])
     return locals_[0]
+
+
+def assemble_replicas(
+    locals_: Sequence[torch.Tensor], shape: Sequence[int], layout: Layout, replicas: int
+) -> list[torch.Tensor]:
+    """One full tensor per replica of an HSDP run (parent side; rank ``r * world + s`` is
+    replica ``r``, shard coordinate ``s``)."""
+    world = len(locals_) // replicas
+    return [assemble(locals_[r * world : (r + 1) * world], shape, layout) for r in range(replicas)]
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
@@ -140,6 +151,7 @@ class ShardedRun:
         layouts: Per parameter, its layout (module docstring).
         kwargs: Optimizer arguments.
         groups: Parameter groups as indices (:func:`make_optimizer`), or ``None``.
+        replicas: Replicas of an HSDP mesh ``(replicas, world)``; 1 for a 1-D mesh.
     """
 
     optimizer: str
@@ -149,17 +161,18 @@ class ShardedRun:
     layouts: Sequence[Layout]
     kwargs: dict[str, Any]
     groups: Sequence[dict[str, Any]] | None = None
+    replicas: int = 1
 
     def build(self, fulls: Sequence[torch.Tensor] | None = None) -> tuple[list[torch.nn.Parameter], Any]:
         """This rank's parameters (from ``fulls``, default the run's) and a fresh optimizer."""
-        params = [torch.nn.Parameter(shard(f, lay, self.world))
+        params = [torch.nn.Parameter(shard(f, lay, self.world, self.replicas))
                   for f, lay in zip(self.fulls if fulls is None else fulls, self.layouts, strict=True)]
         return params, make_optimizer(self.optimizer, self.names, params, self.kwargs, self.groups)
 
     def set_grads(self, params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
         """Shard full gradients onto ``params`` (no communication)."""
         for p, g, lay in zip(params, grads, self.layouts, strict=True):
-            p.grad = shard(g, lay, self.world)
+            p.grad = shard(g, lay, self.world, self.replicas)
 
     def step(self, params: Sequence[torch.nn.Parameter], opt: Any, grads: Sequence[torch.Tensor]) -> None:
         """:meth:`set_grads`, then step."""
@@ -209,14 +222,14 @@ def step_single(
         torch.set_num_threads(threads)
 
 
-def non_finite_case(world: int, layout: Layout, bad_rank: int, optimizer: str) -> str:
+def non_finite_case(world: int, layout: Layout, bad_rank: int, optimizer: str, replicas: int = 1) -> str:
     """A NaN gradient on one rank: every rank must raise the same named error."""
     import pytest
 
     full = torch.ones(6, 4, 5)
-    param = torch.nn.Parameter(shard(full, layout, world))
+    param = torch.nn.Parameter(shard(full, layout, world, replicas))
     opt = OPTIMIZERS[optimizer]([("experts", param)])
-    grad = shard(torch.ones(6, 4, 5), layout, world)
+    grad = shard(torch.ones(6, 4, 5), layout, world, replicas)
     if dist.get_rank() == bad_rank and local_of(grad).numel():
         local_of(grad)[0] = float("nan")
     param.grad = grad

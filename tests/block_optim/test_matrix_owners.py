@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from block_optim.flat_layouts import FlatLayout
+from ragged_dtensor.flat_layout import FlatLayout
+
 from block_optim.matrix_owners import MatrixPiece, imbalance, matrix_pieces, plan_owners
 
 
@@ -20,7 +21,7 @@ def test_matrix_pieces_of_matrices_stacks_and_bands() -> None:
 
 def test_whole_pieces_are_pinned_and_cut_pieces_balanced() -> None:
     # A stack of 4 experts of 12 elements over 3 ranks: [0, 24) | [24, 30) | [30, 48).
-    layout = FlatLayout(48, (0, 24, 30, 48))
+    layout = FlatLayout((48,), 3, bounds=(0, 24, 30, 48))
     pieces = matrix_pieces(0, (4, 3, 4))
     plan = plan_owners([layout], pieces, [1.0] * 4, 3)
     assert plan.counts == ((12, 0, 0), (12, 0, 0), (0, 6, 6), (0, 0, 12))
@@ -32,20 +33,20 @@ def test_whole_pieces_are_pinned_and_cut_pieces_balanced() -> None:
 
 
 def test_replicated_pieces_are_spread_and_returned() -> None:
-    plan = plan_owners([FlatLayout(40, None)], matrix_pieces(0, (4, 2, 5)), [3.0, 1.0, 2.0, 2.0], 2)
+    plan = plan_owners([FlatLayout((40,), 2, replicated=True)], matrix_pieces(0, (4, 2, 5)), [3.0, 1.0, 2.0, 2.0], 2)
     assert all(plan.is_replicated(i) for i in range(4))
     assert sorted(plan.load([3.0, 1.0, 2.0, 2.0])) == [4.0, 4.0]
 
 
 def test_no_exchange_when_every_piece_is_whole_somewhere() -> None:
-    layout = FlatLayout(48, (0, 12, 12, 48))  # a zero-element rank in the middle
+    layout = FlatLayout((48,), 3, bounds=(0, 12, 12, 48))  # a zero-element rank in the middle
     plan = plan_owners([layout], matrix_pieces(0, (4, 3, 4)), [1.0] * 4, 3)
     assert not plan.needs_exchange()
     assert plan.owners == (0, 2, 2, 2)
 
 
 def test_single_rank_owns_everything() -> None:
-    plan = plan_owners([FlatLayout(20, None)], matrix_pieces(0, (4, 5)), [1.0], 1)
+    plan = plan_owners([FlatLayout((20,), 1, replicated=True)], matrix_pieces(0, (4, 5)), [1.0], 1)
     assert plan.owners == (0,) and not plan.needs_exchange()
 
 

@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from layout_planner import assign_owners
-
-from block_optim.flat_layouts import FlatLayout
+from ragged_dtensor.flat_layout import FlatLayout
 
 __all__ = ["MatrixPiece", "OwnerPlan", "imbalance", "matrix_pieces", "plan_owners"]
 

@@ -1,10 +1,11 @@
 """The per-step wiring shared by Muon and Shampoo: parameters in, per-matrix results out.
 
 :mod:`block_optim.matrix_owners` holds the owner plan and its two all-to-alls for one mesh.
-This module feeds it from an optimizer's parameters: it groups them by mesh, reads their
-layouts, warns once about a parameter whose cuts split a matrix or block, caches the owner plan
-(owners are chosen once, on the first step that sees a given set of parameters) and converts
-local tensors to and from the flat runs the plan works on.
+This module feeds it from an optimizer's parameters: it groups them by mesh and by the mesh
+dimension their matrices are exchanged on (the sharded one; HSDP's replicate dimension never
+carries a matrix), reads their layouts, warns once about a parameter whose cuts split a matrix
+or block, caches the owner plan (owners are chosen once, on the first step that sees a given
+set of parameters) and converts local tensors to and from the flat runs the plan works on.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from block_optim.alignment import cuts_on_units, warn_once
-from block_optim.flat_layouts import FlatLayout, flat_layout, from_flat, to_flat
+from block_optim.flat_layouts import FlatPlacement, exchange_dim, flat_placement, from_flat, to_flat
 from block_optim.matrix_owners import MatrixPiece, OwnerPlan, matrix_pieces, plan_owners
 from block_optim.owner_exchange import run_on_owners
 
@@ -36,6 +38,7 @@ class _CachedPlan:
     params: tuple[weakref.ref[torch.Tensor], ...]
     placements: tuple[object, ...]
     plan: OwnerPlan
+    flats: tuple[FlatPlacement, ...]
 
     def serves(self, params: Sequence[torch.Tensor]) -> bool:
         """Whether the plan was made for exactly these live parameters and placements."""
@@ -76,35 +79,39 @@ class MatrixScheduler:
         self._band_rows_of = band_rows_of
         self._cost_of = cost_of
         self._plans: dict[tuple[int, ...], _CachedPlan] = {}
+        self._exchange_meshes: dict[tuple[DeviceMesh, int], DeviceMesh] = {}
 
     def plan_for(self, params: Sequence[torch.Tensor], names: Sequence[str]) -> OwnerPlan:
-        """The (cached) owner plan for parameters that share one mesh.
+        """The (cached) owner plan for parameters exchanged on one mesh dimension.
 
         Args:
-            params: Parameters on one mesh (or all plain tensors).
+            params: Parameters exchanged on one mesh dimension of one mesh (or all plain tensors).
             names: Their names.
 
         Returns:
             The owner plan.
         """
+        return self._cached(params, names).plan
+
+    def _cached(self, params: Sequence[torch.Tensor], names: Sequence[str]) -> _CachedPlan:
         key = tuple(id(p) for p in params)
         cached = self._plans.get(key)
         if cached is not None and cached.serves(params):
-            return cached.plan
-        layouts = [flat_layout(p, n) for p, n in zip(params, names, strict=True)]
-        for p, name, layout in zip(params, names, layouts, strict=True):
-            self._warn_if_cut(p, name, layout)
+            return cached
+        flats = [flat_placement(p, n) for p, n in zip(params, names, strict=True)]
+        for p, name, flat in zip(params, names, flats, strict=True):
+            self._warn_if_cut(p, name, flat)
         pieces = [
             piece
             for j, p in enumerate(params)
             for piece in matrix_pieces(j, p.shape, self._band_rows_of(p))
         ]
-        world = params[0].device_mesh.size() if isinstance(params[0], DTensor) else 1
         costs = [self._cost_of(params[piece.param], piece) for piece in pieces]
-        plan = plan_owners(layouts, pieces, costs, world)
+        plan = plan_owners([f.layout for f in flats], pieces, costs, flats[0].layout.world_size)
         self._plans = {k: c for k, c in self._plans.items() if c.alive()}
-        self._plans[key] = _CachedPlan(tuple(weakref.ref(p) for p in params), _placements(params), plan)
-        return plan
+        cached = _CachedPlan(tuple(weakref.ref(p) for p in params), _placements(params), plan, tuple(flats))
+        self._plans[key] = cached
+        return cached
 
     def owned_pieces(
         self, params: Sequence[torch.Tensor], names: Sequence[str]
@@ -119,9 +126,9 @@ class MatrixScheduler:
             This rank's pieces under the (cached) owner plans.
         """
         owned = []
-        for mesh, members in _by_mesh(params).items():
+        for (mesh, dim), members in _exchange_groups(params).items():
             plan = self.plan_for([params[j] for j in members], [names[j] for j in members])
-            rank = 0 if mesh is None else mesh.get_local_rank()
+            rank = 0 if mesh is None else mesh.get_local_rank(dim)
             owned += [
                 (members[piece.param], piece)
                 for piece, owner in zip(plan.pieces, plan.owners, strict=True)
@@ -129,15 +136,25 @@ class MatrixScheduler:
             ]
         return owned
 
-    def _warn_if_cut(self, param: torch.Tensor, name: str, layout: FlatLayout) -> None:
+    def _warn_if_cut(self, param: torch.Tensor, name: str, flat: FlatPlacement) -> None:
         if isinstance(param, DTensor) and not cuts_on_units(param, self._unit_of(param)):
-            how = "gathered to every rank" if layout.gathered else "moved whole to an owner rank"
+            how = "gathered to every rank" if flat.gathered else "moved whole to an owner rank"
             warn_once(
                 self._optimizer, name,
                 f"is sharded as {tuple(param.placements)} with cuts inside its matrices or "
                 f"blocks; they are {how} around every step. Plan it with "
                 f"{self._optimizer}.unit_policy() to keep them local.",
             )
+
+    def _exchange_mesh(self, mesh: DeviceMesh, dim: int) -> DeviceMesh:
+        """``mesh``'s dimension ``dim`` as a 1-D mesh (``mesh`` itself when 1-D), built once
+        from the dimension's existing process group: no collective, no dimension names needed."""
+        if mesh.ndim == 1:
+            return mesh
+        key = (mesh, dim)
+        if key not in self._exchange_meshes:
+            self._exchange_meshes[key] = DeviceMesh.from_group(mesh.get_group(dim), mesh.device_type)
+        return self._exchange_meshes[key]
 
     def run(
         self,
@@ -152,7 +169,9 @@ class MatrixScheduler:
         """Compute every matrix of ``params`` on its owner and return local results.
 
         Args:
-            params: The parameters (plain tensors or DTensors on 1-D meshes).
+            params: The parameters (plain tensors or DTensors; on a mesh of several
+                dimensions at most one of them shards a parameter, e.g. HSDP's
+                ``(Replicate(), RaggedShard(...))``).
             names: Their names.
             channels: Per parameter, local tensors in the parameter's placement (the first
                 one is checked for non-finite values before ``compute``).
@@ -164,12 +183,13 @@ class MatrixScheduler:
             Per parameter, a local tensor in the parameter's placement.
         """
         results: list[torch.Tensor | None] = [None] * len(params)
-        for mesh, members in _by_mesh(params).items():
+        for (mesh, dim), members in _exchange_groups(params).items():
             group_params = [params[j] for j in members]
             group_names = [names[j] for j in members]
-            plan = self.plan_for(group_params, group_names)
+            cached = self._cached(group_params, group_names)
+            plan = cached.plan
             flats = [
-                [to_flat(params[j], plan.layouts[k], c) for c in channels[j]]
+                [to_flat(params[j], cached.flats[k], c) for c in channels[j]]
                 for k, j in enumerate(members)
             ]
 
@@ -181,16 +201,34 @@ class MatrixScheduler:
                 return compute(_members[piece.param], piece, inputs)
 
             outputs = run_on_owners(
-                plan, mesh, flats, local_compute, group_names, what, sync_nonfinite_check=sync_nonfinite_check,
+                plan, None if mesh is None else self._exchange_mesh(mesh, dim), flats, local_compute,
+                group_names, what, replica_groups=_replica_groups(mesh, dim),
+                sync_nonfinite_check=sync_nonfinite_check,
             )
             for k, j in enumerate(members):
-                results[j] = from_flat(params[j], plan.layouts[k], outputs[k])
+                results[j] = from_flat(params[j], cached.flats[k], outputs[k])
         return [r for r in results if r is not None]
 
 
-def _by_mesh(params: Sequence[torch.Tensor]) -> dict[DeviceMesh | None, list[int]]:
-    """Indices of ``params`` grouped by device mesh (``None`` for plain tensors)."""
-    groups: dict[DeviceMesh | None, list[int]] = {}
+def _exchange_groups(params: Sequence[torch.Tensor]) -> dict[tuple[DeviceMesh | None, int | None], list[int]]:
+    """Indices of ``params`` grouped by mesh and exchange mesh dimension
+    (:func:`block_optim.flat_layouts.exchange_dim`); ``(None, None)`` for plain tensors.
+
+    Args:
+        params: The parameters.
+
+    Returns:
+        ``{(mesh, mesh_dim): indices}`` in first-seen order.
+    """
+    groups: dict[tuple[DeviceMesh | None, int | None], list[int]] = {}
     for j, p in enumerate(params):
-        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(j)
+        mesh = p.device_mesh if isinstance(p, DTensor) else None
+        groups.setdefault((mesh, exchange_dim(p)), []).append(j)
     return groups
+
+
+def _replica_groups(mesh: DeviceMesh | None, dim: int | None) -> list[dist.ProcessGroup]:
+    """The process groups of ``mesh``'s dimensions other than the exchange dimension."""
+    if mesh is None:
+        return []
+    return [mesh.get_group(d) for d in range(mesh.ndim) if d != dim]

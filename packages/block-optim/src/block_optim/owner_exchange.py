@@ -12,6 +12,12 @@ Each step under an :class:`block_optim.matrix_owners.OwnerPlan`:
 When nothing is cut and nothing is replicated, no all-to-all runs at all; the status then
 needs one flag all-reduce (:func:`ragged_dtensor.raise_on_any_rank`) on meshes of more than
 one rank, unless the caller turns that check off.
+
+On a mesh of more dimensions (HSDP: ``(replicate, shard)``) the exchange runs along the
+sharded dimension only: every replica holds the same inputs, runs the same plan and computes
+bit-identical results, so no matrix or result crosses the replicate dimension. Only the status
+does: one 1-element all-reduce per replicate dimension before the return all-to-all (or before
+the flag all-reduce) makes a non-finite input found on one replica raise on every rank.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from ragged_dtensor import RaggedShard, raise_on_any_rank, redistribute_many
+import torch.distributed as dist
+from ragged_dtensor import RaggedShard, from_local_run, raise_on_any_rank, redistribute_many
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -35,8 +42,19 @@ Compute = Callable[[int, list[torch.Tensor]], torch.Tensor]
 
 def _flat_dtensor(local: torch.Tensor, mesh: DeviceMesh, counts: Sequence[int]) -> DTensor:
     numel = sum(counts)
-    placement = RaggedShard.from_element_counts((numel,), counts)
-    return DTensor.from_local(local, mesh, [placement], shape=(numel,), stride=(1,), run_check=False)
+    return from_local_run(local, mesh, [RaggedShard.from_element_counts((numel,), counts)], (numel,))
+
+
+def _agree_on_status(status: int, groups: Sequence[dist.ProcessGroup], device: torch.device) -> int:
+    """The largest status over ``groups`` (the replicate dimensions), one 1-element all-reduce
+    each; with every rank of a replica row holding its column's maximum, the row's own
+    agreement reaches every rank of the mesh."""
+    if not groups:
+        return status
+    flag = torch.tensor([status], dtype=torch.int64, device=device)
+    for group in groups:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item())
 
 
 def _one_hot(world_size: int, owner: int, numel: int) -> tuple[int, ...]:
@@ -51,21 +69,26 @@ def run_on_owners(
     names: Sequence[str],
     what: str,
     *,
+    replica_groups: Sequence[dist.ProcessGroup] = (),
     sync_nonfinite_check: bool = True,
 ) -> list[torch.Tensor]:
     """Compute every matrix of ``plan`` on its owner and return the results to their holders.
 
     Args:
         plan: The owner plan (from :func:`plan_owners`).
-        mesh: The 1-D mesh of the parameters; ``None`` for plain tensors (one rank).
+        mesh: The 1-D mesh the exchange runs on (the parameters' mesh, or its sharded
+            dimension as a 1-D mesh); ``None`` for plain tensors (one rank).
         channels: Per parameter, this rank's flat inputs (one or more channels of the same
             length, e.g. a gradient and an Adam direction), covering its local range.
         compute: The per-matrix computation (see :data:`Compute`).
         names: Parameter names, for errors.
         what: What the input is, for the non-finite error ("Newton-Schulz input").
+        replica_groups: Process groups of the parameters' other (replicate) mesh dimensions;
+            the status is agreed over them too, with one 1-element all-reduce each.
         sync_nonfinite_check: When no all-to-all runs (nothing cut or replicated), agree on
-            the status with one 1-element all-reduce. ``False`` skips it: the step then issues
-            no collective, and a non-finite input raises only on the rank that found it.
+            the status with one 1-element all-reduce. ``False`` skips it and the replica
+            all-reduces: a step may then issue no collective, and a non-finite input raises
+            only on the ranks that found it (its row of ``mesh`` when matrices travel).
 
     Returns:
         Per parameter, a flat result covering this rank's local range.
@@ -75,7 +98,7 @@ def run_on_owners(
             naming the parameter, when any owner found a non-finite input.
     """
     world = plan.world_size
-    if world == 1:
+    if mesh is None or (world == 1 and not replica_groups):
         return _run_locally(plan, channels, compute, names, what)
     rank = mesh.get_local_rank()
     outputs = [torch.empty_like(ch[0]) for ch in channels]
@@ -115,6 +138,8 @@ def run_on_owners(
         else:
             result = compute(i, matrices)
         results[i] = result.reshape(-1)
+    if sync_nonfinite_check:
+        status = _agree_on_status(status, replica_groups, outputs[0].device)
 
     if returned:
         sources, targets = [], []
@@ -126,8 +151,7 @@ def run_on_owners(
             targets.append([Replicate()] if plan.counts[i] is None
                            else [RaggedShard.from_element_counts((piece.numel,), plan.counts[i])])
         flag = torch.tensor([float(status)], device=outputs[0].device)
-        sources.append(DTensor.from_local(flag, mesh, [Shard(0)], shape=(world,), stride=(1,),
-                                          run_check=False))
+        sources.append(from_local_run(flag, mesh, [Shard(0)], (world,)))
         targets.append([Replicate()])
         back = redistribute_many(sources, targets)
         statuses = [int(s) for s in back[-1].to_local().tolist()]

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from ragged_dtensor import from_local_run
 from torch.distributed.tensor import DTensor
 
 
@@ -23,7 +24,9 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 def zeros_like_param(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Zeros with the parameter's shape and placement (a DTensor for a DTensor parameter).
 
-    Built from the local tensor, so no sharding propagation runs for custom placements.
+    Built from the local tensor with :func:`ragged_dtensor.from_local_run`, so no sharding
+    propagation runs for custom placements and the state's local tensor is the zeros tensor
+    itself (not a view of it).
 
     Args:
         param: The parameter.
@@ -35,10 +38,7 @@ def zeros_like_param(param: torch.Tensor, dtype: torch.dtype | None = None) -> t
     if not isinstance(param, DTensor):
         return torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
     zeros = torch.zeros_like(param.to_local(), dtype=dtype, memory_format=torch.contiguous_format)
-    return DTensor.from_local(
-        zeros, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(),
-        run_check=False,
-    )
+    return from_local_run(zeros, param.device_mesh, param.placements, param.shape)
 
 
 def named_params(param_groups: list[Mapping[str, Any]]) -> Iterator[tuple[Mapping[str, Any], str, torch.Tensor]]:
@@ -83,6 +83,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
     """
 
     optimizer_name = "MatrixOptimizer"
+    _groups_by_param: dict[int, dict[str, Any]] | None = None
 
     def group_checks(self, group: Mapping[str, Any]) -> list[Check]:
         """The range checks of one parameter group.
@@ -105,6 +106,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             ValueError: On a hyper-parameter out of range or a parameter of 4+ dimensions
                 (the group is then not added).
         """
+        self._groups_by_param = None
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -141,8 +143,17 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _step(self) -> None:
         raise NotImplementedError
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore the optimizer (``load_state_dict`` replaces every group dict this way)."""
+        super().__setstate__(state)
+        self._groups_by_param = None
+
     def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
-        return next(g for g in self.param_groups if any(p is param for p in g["params"]))
+        """The group holding ``param``: one dict lookup, the index being rebuilt after the
+        groups change (:meth:`add_param_group`, ``load_state_dict``)."""
+        if self._groups_by_param is None:
+            self._groups_by_param = {id(p): g for g in self.param_groups for p in g["params"]}
+        return self._groups_by_param[id(param)]
 
 
 def check_matrix_rank(param: torch.Tensor, name: str, optimizer: str) -> None:

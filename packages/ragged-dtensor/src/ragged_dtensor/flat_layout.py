@@ -87,6 +87,18 @@ class FlatLayout:
         """Elements held by ``rank``."""
         return math.prod(self.local_shape(rank))
 
+    def local_range(self, rank: int) -> tuple[int, int]:
+        """The flat range ``[start, end)`` that ``rank`` holds (everything when replicated).
+
+        Raises:
+            ValueError: for a ``Shard`` layout that is not one contiguous range per rank.
+        """
+        if self.replicated:
+            return 0, self.numel
+        if self.bounds is None:
+            raise ValueError(f"Shard({self.shard_dim}) of shape {self.shape} is not contiguous")
+        return self.bounds[rank], self.bounds[rank + 1]
+
     def count_before(self, flat_index: int, rank: int) -> int:
         """How many of ``rank``'s elements have a flat index below ``flat_index``.
 
