@@ -32,6 +32,10 @@ _OWNER_OF: weakref.WeakKeyDictionary[nn.Parameter, str] = weakref.WeakKeyDiction
 _SHARDED: weakref.WeakSet[nn.Parameter] = weakref.WeakSet()
 
 _COLLECTIVE_ALIGN_BYTES = 16
+# One more buffer is one more collective per pass; its latency is worth about this many bytes
+# per rank on today's links (microseconds at tens of GB/s), so a bucket split must save more
+# padding than that to be chosen.
+_BUCKET_COST_BYTES_PER_RANK = 1 << 20
 
 
 @dataclass
@@ -131,7 +135,9 @@ def build_group(collected: list[Collected], mesh: DeviceMesh, device: torch.devi
         specs = [TensorSpec(c.name, c.param.numel(), units[c.name], tuple(c.param.shape))
                  for c in members]
         by_name = {c.name: c for c in members}
-        for plan in plan_buckets(specs, shard_size, align=_align((dtype, compute, reduce))):
+        cost = shard_size * _BUCKET_COST_BYTES_PER_RANK // dtype.itemsize
+        for plan in plan_buckets(specs, shard_size, align=_align((dtype, compute, reduce)),
+                                 bucket_cost=cost):
             names = [e.name for e in plan.entries]
             full = None if any(by_name[n].param.is_meta for n in names) else {
                 n: by_name[n].param for n in names}
