@@ -27,7 +27,13 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from ragged_dtensor import RaggedShard, raise_on_any_rank, redistribute_many
+from ragged_dtensor import (
+    RaggedShard,
+    from_local_run,
+    is_ragged,
+    raise_on_any_rank,
+    redistribute_many,
+)
 
 from block_optim.adamw8bit_kernels import adamw8bit_step_
 from block_optim.adamw8bit_math import AdamWScalars, QuantizedMoments, adamw_fp32_step_
@@ -209,8 +215,7 @@ class AdamW8bit(torch.optim.Optimizer):
                     placements: tuple[Placement, ...] | None, numel: int) -> torch.Tensor:
         if placements is None:
             return local_tensor
-        return DTensor.from_local(local_tensor, param.device_mesh, placements, shape=(numel,),
-                                  stride=(1,), run_check=False)
+        return from_local_run(local_tensor, param.device_mesh, placements, (numel,))
 
     def _local_count(self, param: torch.Tensor, placements: tuple[Placement, ...] | None,
                      numel: int) -> int:
@@ -218,7 +223,7 @@ class AdamW8bit(torch.optim.Optimizer):
         if placements is None:
             return numel
         for mesh_dim, placement in enumerate(placements):
-            if isinstance(placement, RaggedShard):
+            if is_ragged(placement):
                 coord = param.device_mesh.get_local_rank(mesh_dim)
                 return placement.local_numel((numel,), coord)
         return numel
