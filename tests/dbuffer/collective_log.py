@@ -1,7 +1,7 @@
 """Record the collectives a piece of code issues, with the exact tensors passed to them.
 
 An independent check of zero-copy next to the profiler: the tensors handed to
-``all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``all_reduce`` must be DBuffer's own
+``all_gather_single`` / ``reduce_scatter_single`` / ``all_reduce`` must be DBuffer's own
 buffers (by ``data_ptr``), so a copy-in or copy-out around a collective cannot hide, and the
 number of calls counts the collectives (nested calls inside torch.distributed are not
 double-counted).
@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-WATCHED = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather",
+WATCHED = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+           "reduce_scatter_tensor", "all_reduce", "all_gather",
            "all_gather_object", "broadcast", "broadcast_object_list", "all_to_all_single",
            "barrier", "reduce_scatter", "gather", "scatter")
 

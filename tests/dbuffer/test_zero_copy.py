@@ -105,7 +105,7 @@ def _collective_case(case: Case, hsdp: bool) -> None:
                 handle.wait()
         out = buf.unsharded_buffer
         expected_input = _ptr(out, rank * S) if cast else _ptr(buf.sharded_buffer)
-        assert [c.name for c in log] == ["all_gather_into_tensor"], (step, log)
+        assert [c.name for c in log] == ["all_gather_single"], (step, log)
         call = log[0]
         assert call.async_op == case.async_op
         assert (call.output, call.input) == (_ptr(out), expected_input), (step, call)
@@ -119,7 +119,7 @@ def _collective_case(case: Case, hsdp: bool) -> None:
             handle = buf.reduce_scatter(op, async_op=case.async_op)
             if case.async_op:
                 handle.wait()
-        names = ["reduce_scatter_tensor"] + (["all_reduce"] if hsdp else [])
+        names = ["reduce_scatter_single"] + (["all_reduce"] if hsdp else [])
         assert [c.name for c in log] == names, (op, log)
         rs = log[0]
         assert rs.async_op == case.async_op

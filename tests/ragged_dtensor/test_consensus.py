@@ -35,6 +35,17 @@ def consensus_case(failing: list[int]) -> list[str]:
     return messages
 
 
+def agree_case(odd: int) -> str:
+    rank = dist.get_rank()
+    raise_on_any_rank(None, agree_on="plan A")  # equal values: the happy path returns
+    with pytest.raises(ValueError, match="differ across ranks") as info:
+        raise_on_any_rank(None, agree_on="plan B" if rank == odd else "plan A")
+    # an error wins over a disagreement, and is raised with its own type
+    with pytest.raises(CustomError, match="rank 0: CustomError: first"):
+        raise_on_any_rank(CustomError("first") if rank == 0 else None, agree_on=str(rank))
+    return str(info.value)
+
+
 def wrong_size_case(mode: str) -> str:
     mesh = device_mesh(dist.get_world_size())
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -64,6 +75,12 @@ def test_raise_on_any_rank_raises_everywhere(ranks, world: int) -> None:
         for r in failing:
             assert f"rank {r}: CustomError: bad input on {r}" in messages[0]
     assert len(set(m[0] for m in results)) == 1
+
+
+def test_raise_on_any_rank_checks_agreement_in_the_same_collective(ranks) -> None:
+    messages = ranks.run(3, agree_case, 1)
+    assert len(set(messages)) == 1
+    assert "rank 0: plan A; rank 1: plan B; rank 2: plan A" in messages[0]
 
 
 def test_raise_on_any_rank_without_process_group() -> None:

@@ -18,15 +18,16 @@ buffers themselves: no copy-in, no copy-out, no ``chunk_cat``.
 
 from __future__ import annotations
 
-import math
+import hashlib
 import warnings
+import weakref
 from collections.abc import Collection, Mapping
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from layout_planner import Plan, PlanEntry
-from ragged_dtensor import RaggedShard
+from ragged_dtensor import RaggedShard, from_local_run
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.profiler import record_function
@@ -38,7 +39,7 @@ from dbuffer.collectives import (
     all_reduce_sum,
     reduce_scatter_into,
 )
-from dbuffer.errors import check_consistent, check_dtype, fingerprint_int
+from dbuffer.errors import check_consistent, check_dtype
 from dbuffer.flat import FlatBuffer
 from dbuffer.topology import Topology
 
@@ -49,8 +50,9 @@ class DBuffer:
     """Sharded and unsharded parameters and gradients of one FSDP group, zero-copy.
 
     Construction is collective: every rank of ``group`` must build its DBuffer from the same
-    plan and dtypes; this is checked once with a small all-gather of a fingerprint, and a
-    mismatch (or a local error such as a plan for another world size) raises on every rank.
+    plan and dtypes; this is checked once with a small all-reduce of a fingerprint and an
+    error flag (:func:`ragged_dtensor.raise_on_any_rank`), and a mismatch (or a local error
+    such as a plan for another world size) raises on every rank.
 
     Args:
         plan: the layout; its ``world_size`` must equal the size of the shard group.
@@ -119,6 +121,9 @@ class DBuffer:
                                             allocated=False, hint="call reduce_scatter() first")
         self._views: dict[tuple[str, str], torch.Tensor] = {}
         self._dtensors: dict[tuple[str, str], DTensor] = {}
+        # The last gradient fold_grad took per tensor (object and version), so the
+        # reduce-scatter does not fold a parameter's ``.grad`` a hook already folded.
+        self._folded: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
         frozen = [n for n in self._entries if n not in self.trainable]
         if self.trainable and frozen:
             warnings.warn(
@@ -192,9 +197,10 @@ class DBuffer:
                 return ValueError(f"requires_grad names tensors not in the plan: {unknown}")
         return None
 
-    def _fingerprint(self) -> int:
-        return fingerprint_int(self.plan.fingerprint(), str(self.dtype), str(self.compute_dtype),
-                               str(self.reduce_dtype), ",".join(self.trainable))
+    def _fingerprint(self) -> str:
+        parts = (self.plan.fingerprint(), str(self.dtype), str(self.compute_dtype),
+                 str(self.reduce_dtype), ",".join(self.trainable))
+        return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
 
     # ---------------------------------------------------------------------------- layout
     @property
@@ -257,7 +263,10 @@ class DBuffer:
         offset, numel = self._local_slice(name)
         return self._view("local", name, self._sharded, offset, numel, (numel,))
 
-    def _dtensor(self, kind: str, name: str, local: torch.Tensor) -> DTensor:
+    def _dtensor(self, kind: str, name: str, buffer: FlatBuffer,
+                 local: torch.Tensor) -> DTensor:
+        """The RaggedShard DTensor around ``local`` (a view of ``buffer``) itself, fenced with
+        the buffer's views: an alias (what ``DTensor.from_local`` stores) would escape it."""
         key = (kind, name)
         if key not in self._dtensors:
             shape = self._shape(name)
@@ -265,10 +274,10 @@ class DBuffer:
                       (self.plan.local_range(name, r) for r in range(self.world_size))]
             ragged = RaggedShard.from_element_counts(shape, counts)
             placements = (ragged,) if self.topology.replicate_group is None else (Replicate(), ragged)
-            stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-            self._dtensors[key] = DTensor.from_local(
-                local, self.topology.device_mesh(self.device.type), placements,
-                shape=torch.Size(shape), stride=stride, run_check=False)
+            dtensor = from_local_run(local, self.topology.device_mesh(self.device.type),
+                                     placements, shape)
+            buffer.track(dtensor, f"{kind} DTensor of {name!r}")
+            self._dtensors[key] = dtensor
         return self._dtensors[key]
 
     def sharded_param(self, name: str) -> DTensor:
@@ -280,7 +289,7 @@ class DBuffer:
         Returns:
             The DTensor (``(Replicate(), RaggedShard)`` on an HSDP mesh); cached per name.
         """
-        return self._dtensor("param", name, self.local_view(name))
+        return self._dtensor("param", name, self._sharded, self.local_view(name))
 
     # ------------------------------------------------------------------ unsharded params
     @property
@@ -313,6 +322,7 @@ class DBuffer:
         """
         S = self.shard_size
         self._unsharded.allocate()
+        keep_version = torch.autograd._unsafe_preserve_version_counter(self._unsharded.tensor)
         with record_function("dbuffer::all_gather"), self._unsharded.writing() as out:
             if self.compute_dtype == self.dtype:
                 shard = self._sharded.tensor
@@ -320,7 +330,7 @@ class DBuffer:
                 shard = out.narrow(0, self.rank * S, S)
                 kernels.copy_cast_(shard, self._sharded.tensor)
             work = all_gather_into(out, shard, self.topology.shard_group, async_op)
-        return CollectiveHandle(work) if async_op else None
+        return CollectiveHandle(work, keep_version=keep_version) if async_op else None
 
     def unsharded_view(self, name: str) -> torch.Tensor:
         """Tensor ``name`` in full, shaped like it: a view of the unsharded buffer.
@@ -379,6 +389,12 @@ class DBuffer:
         return self._grad is not None and self._grad.allocated
 
     @property
+    def has_sharded_grad(self) -> bool:
+        """Whether the sharded gradient buffer holds memory (a :meth:`reduce_scatter` since
+        the last :meth:`free_sharded_grad`): the next reduce-scatter then adds into it."""
+        return self._sharded_grad is not None and self._sharded_grad.allocated
+
+    @property
     def grad_buffer(self) -> torch.Tensor:
         """The flat unsharded gradient buffer (``W*S`` elements of ``compute_dtype``),
         zero-filled and allocated on first use.
@@ -413,6 +429,86 @@ class DBuffer:
         grad = self._allocated_grad()
         entry = self._entry(name)
         return self._view("grad", name, grad, entry.offset, entry.numel, self._shape(name))
+
+    def grad_is_view(self, name: str, tensor: torch.Tensor | None) -> bool:
+        """Whether ``tensor`` is tensor ``name``'s gradient view (or an alias of exactly its
+        memory): a gradient already in the buffer, which :meth:`fold_grad` must not add
+        again. Touches no data (works while the buffer is freed) and allocates nothing.
+
+        Args:
+            name: a tensor of the buffer.
+            tensor: a candidate gradient, e.g. a parameter's ``.grad``; ``None`` gives False.
+
+        Returns:
+            True when ``tensor`` is the view or spans exactly its memory.
+        """
+        self._entry(name)
+        view = self._views.get(("grad", name))
+        if tensor is None or view is None:
+            return False
+        if tensor is view:
+            return True
+        return (tensor.untyped_storage()._cdata == view.untyped_storage()._cdata
+                and tensor.storage_offset() == view.storage_offset()
+                and tensor.shape == view.shape and tensor.stride() == view.stride()
+                and tensor.dtype == view.dtype)
+
+    def fold_grad(self, name: str, grad: torch.Tensor, *, includes_view: bool = False) -> None:
+        """Bring a gradient that autograd put outside the buffer into :meth:`grad_view`.
+
+        Autograd accumulates in place into a preset ``.grad`` only in first-order backward
+        passes. Under ``backward(create_graph=True)`` it *replaces* ``.grad`` by
+        ``.grad + new``; a ``.grad`` that was ``None`` receives a new tensor; a user may assign
+        ``.grad``. The buffer would then keep stale values and the reduce-scatter would reduce
+        them, so such a gradient must be folded in: added (the default: ``grad`` holds only new
+        contributions, e.g. it arrived while ``.grad`` was ``None``), or copied with
+        ``includes_view=True`` (``grad`` replaced a ``.grad`` that was the view, so it already
+        holds the view's value). Either way in ``compute_dtype`` (cast on the way), in place,
+        allocating the buffer zero-filled if it is freed. A ``grad`` that
+        :meth:`grad_is_view` is a no-op (it is already in the buffer).
+
+        Args:
+            name: a trainable tensor.
+            grad: its gradient, shaped like the tensor (a plain tensor, not a DTensor).
+            includes_view: ``grad`` already contains the view's value: overwrite, not add.
+
+        Raises:
+            ValueError: when ``name`` is frozen or ``grad`` has another shape.
+            TypeError: when ``grad`` is a DTensor.
+        """
+        self._check_trainable(name)
+        if self.grad_is_view(name, grad):
+            return
+        if isinstance(grad, DTensor):
+            raise TypeError(f"fold_grad({name!r}): expected the unsharded gradient as a plain "
+                            "tensor, got a DTensor")
+        if tuple(grad.shape) != self._shape(name):
+            raise ValueError(f"fold_grad({name!r}): gradient of shape {tuple(grad.shape)} for "
+                             f"a tensor of shape {self._shape(name)}")
+        view = self.grad_view(name)
+        with torch.no_grad():
+            if includes_view:
+                view.copy_(grad)
+            else:
+                view.add_(grad.to(view.dtype))
+        self._folded[name] = (weakref.ref(grad), grad._version)
+
+    def _fold_replaced_grads(self) -> None:
+        """Fold the ``.grad`` of each unsharded view DBuffer handed out (used as the parameter
+        itself) that is a tensor other than its gradient view and was not folded yet: the
+        parameter's ``.grad`` is its gradient (a replacement by autograd under
+        ``create_graph=True`` or an assignment), so it overwrites the view, and ``.grad``
+        points at the view again. Local: every rank folds its own, no collective."""
+        for name in self.trainable:
+            param = self._views.get(("unsharded", name))
+            grad = None if param is None else param.grad
+            if grad is None or self.grad_is_view(name, grad):
+                continue
+            ref, version = self._folded.get(name, (None, -1))
+            if ref is not None and ref() is grad and grad._version == version:
+                continue
+            self.fold_grad(name, grad, includes_view=True)
+            param.grad = self.grad_view(name)
 
     def reduce_scatter(self, op: ReduceOp = "avg", async_op: bool = False, *,
                        predivide: bool = False) -> CollectiveHandle | None:
@@ -452,14 +548,17 @@ class DBuffer:
                         predivide: bool) -> CollectiveHandle | None:
         # A rank that wrote no gradient (e.g. its experts got no tokens) contributes zeros:
         # raising here would leave the other ranks waiting in the collective.
+        self._fold_replaced_grads()
         grad = self._allocated_grad()
         sharded_grad = self._require_grad_buffers()[1]
         ranks = self.world_size * self.topology.replicate_size
         factor = 1.0 / ranks if op == "avg" else 1.0
         pre, post = (factor, 1.0) if predivide else (1.0, factor)
 
-        if self.reduce_dtype == self.compute_dtype and pre == 1.0:
+        if self.reduce_dtype == self.compute_dtype:
             full = grad.tensor
+            if pre != 1.0:  # scaled in place: the unsharded gradients are consumed anyway
+                kernels.scale_(full, pre)
         else:
             full = torch.empty(grad.tensor.numel(), dtype=self.reduce_dtype, device=self.device)
             kernels.copy_cast_(full, grad.tensor, pre)
@@ -521,7 +620,8 @@ class DBuffer:
         Returns:
             The DTensor; cached per name.
         """
-        return self._dtensor("grad", name, self.sharded_grad_view(name))
+        return self._dtensor("sharded_grad", name, self._require_grad_buffers()[1],
+                             self.sharded_grad_view(name))
 
     @property
     def sharded_grad_buffer(self) -> torch.Tensor:
@@ -536,9 +636,19 @@ class DBuffer:
 
     def free_grad(self) -> None:
         """Release the unsharded gradient memory (storage resized to 0 in place); the next
-        :meth:`grad_view` re-allocates it zero-filled."""
-        if self._grad is not None:
-            self._grad.free()
+        :meth:`grad_view` re-allocates it zero-filled.
+
+        An unsharded view DBuffer handed out whose ``.grad`` is its gradient view gets
+        ``.grad = None`` (``zero_grad(set_to_none=True)``), so the next backward puts a new
+        gradient there (folded by the next :meth:`reduce_scatter`) instead of writing into
+        freed memory."""
+        if self._grad is None:
+            return
+        for name in self.trainable:
+            param = self._views.get(("unsharded", name))
+            if param is not None and self.grad_is_view(name, param.grad):
+                param.grad = None
+        self._grad.free()
 
     def free_sharded_grad(self) -> None:
         """Drop the sharded gradients (``zero_grad(set_to_none=True)``); the next

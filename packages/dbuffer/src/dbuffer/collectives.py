@@ -12,6 +12,7 @@ buffer's follow-up step (HSDP all-reduce, averaging, cast into the sharded gradi
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -24,9 +25,12 @@ class CollectiveHandle:
     ``wait()`` is idempotent; the handle keeps every buffer the collective uses alive.
     """
 
-    def __init__(self, work: dist.Work | None, then: Callable[[], None] | None = None) -> None:
+    def __init__(self, work: dist.Work | None, then: Callable[[], None] | None = None, *,
+                 keep_version: torch.autograd._unsafe_preserve_version_counter | None = None
+                 ) -> None:
         self._work = work
         self._then = then
+        self._keep_version = keep_version
         self._done = False
 
     def wait(self) -> None:
@@ -34,12 +38,17 @@ class CollectiveHandle:
         if self._done:
             return
         if self._work is not None:
-            with record_function("comm:wait"):
+            # gloo writes an async all-gather's output (on its worker thread, or here in
+            # wait()), bumping the autograd version of a buffer whose views autograd saved;
+            # refilling them with the same values must not invalidate the saved tensors, so
+            # the version taken before the collective was issued is restored.
+            keep = self._keep_version if self._keep_version is not None else nullcontext()
+            with record_function("comm:wait"), keep:
                 self._work.wait()
         if self._then is not None:
             self._then()
         self._done = True
-        self._work = self._then = None
+        self._work = self._then = self._keep_version = None
 
     def is_completed(self) -> bool:
         """Whether :meth:`wait` has run to the end."""
@@ -53,14 +62,14 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
     ``shard`` may be the slice of ``output`` this rank owns (an in-place all-gather).
     """
     with record_function("comm:all_gather"):
-        return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+        return dist.all_gather_single(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
                         async_op: bool) -> dist.Work | None:
     """Sum ``full`` over the ranks and leave this rank's ``S``-element slice in ``output``."""
     with record_function("comm:reduce_scatter"):
-        return dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group,
+        return dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group,
                                           async_op=async_op)
 
 

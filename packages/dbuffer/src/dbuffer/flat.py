@@ -43,6 +43,9 @@ class FlatBuffer:
         self._nbytes = numel * dtype.itemsize
         self._tensor: torch.Tensor | None = None
         self._storage: torch.UntypedStorage | None = None
+        # An explicit state, not ``nbytes() == numel * itemsize``: a buffer of zero elements
+        # (a group without tensors of its own) has zero bytes whether allocated or freed.
+        self._allocated = False
         self._views: list[tuple[torch.Tensor, str]] = []
         # A zero-byte storage marked to throw on mutable data access: freeing swaps its data
         # pointer (and the mark) into this buffer's storage, re-allocation swaps it back.
@@ -55,6 +58,7 @@ class FlatBuffer:
     def _set_tensor(self, tensor: torch.Tensor) -> None:
         self._tensor = tensor
         self._storage = tensor.untyped_storage()
+        self._allocated = True
         self._views.append((tensor, f"the flat {self.what}"))
 
     @property
@@ -67,7 +71,7 @@ class FlatBuffer:
     @property
     def allocated(self) -> bool:
         """Whether the storage currently holds memory."""
-        return self._storage is not None and self._storage.nbytes() == self._nbytes
+        return self._allocated
 
     def allocate(self) -> bool:
         """Restore the memory (contents undefined) if freed.
@@ -82,6 +86,7 @@ class FlatBuffer:
             return False
         self._storage._swap_data_ptr_(self._marked)
         self._storage.resize_(self._nbytes)
+        self._allocated = True
         for view, _ in self._views:
             unfence(view)
         return True
@@ -97,6 +102,7 @@ class FlatBuffer:
             return
         self._storage.resize_(0)
         self._storage._swap_data_ptr_(self._marked)
+        self._allocated = False
         for view, what in self._views:
             fence(view, f"{what} is used while the {self.what} is freed; {self._hint}")
 
@@ -113,8 +119,18 @@ class FlatBuffer:
             The view (the caller caches it; this buffer keeps it to fence it).
         """
         tensor = self.tensor.narrow(0, offset, numel).view(shape)
-        self._views.append((tensor, what))
+        self.track(tensor, what)
         return tensor
+
+    def track(self, tensor: torch.Tensor, what: str) -> None:
+        """Fence ``tensor`` (a view of this buffer, or a DTensor whose local tensor is one)
+        with the views while the memory is freed.
+
+        Args:
+            tensor: the object handed out.
+            what: how errors name it.
+        """
+        self._views.append((tensor, what))
 
     def check(self, name: str, hint: str) -> None:
         """Raise :class:`FreedBufferError` for tensor ``name`` if the memory is freed.

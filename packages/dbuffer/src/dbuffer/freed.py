@@ -11,11 +11,14 @@ No storage-level switch makes *reads* of a CPU storage raise from Python (the
 mechanisms are combined:
 
 * every tensor object DBuffer handed out is switched, in place, to the
-  :class:`FreedTensor` class while freed. Its ``__torch_function__`` raises
+  :class:`FreedTensor` class while freed (a RaggedShard DTensor over one of its views to
+  :class:`FreedDTensor`). Its ``__torch_function__`` raises
   :class:`~dbuffer.errors.FreedBufferError` naming the tensor for every torch function,
   method, operator, ``print`` and property that touches data, and passes through pure
-  metadata (shape, dtype, device, ``untyped_storage``, hashing). Re-allocation switches it
-  back: the Python object, its autograd version counter and its storage never change.
+  metadata (shape, dtype, device, ``untyped_storage``, hashing, a DTensor's placements).
+  Re-allocation switches it back: the Python object, its autograd version counter and its
+  storage never change. A DTensor's local tensor is DBuffer's view itself
+  (:func:`ragged_dtensor.from_local_run`), so ``dt.to_local()`` is fenced too.
 * the storage itself is marked to throw on any *mutable* data access while freed (by swapping
   its empty data pointer with one taken from a marked zero-byte storage, and swapping back on
   re-allocation), so writes through *other* aliases (``nn.Parameter(view)``, a ``detach()``
@@ -31,6 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from dbuffer.errors import FreedBufferError
 
@@ -51,24 +55,52 @@ def _metadata_functions() -> frozenset[Any]:
         + [base.grad.__set__, base.requires_grad.__set__])
 
 
+def _refuse(func: Any, args: Any, kwargs: Any) -> Any:
+    """Run ``func`` if it only reads metadata, else raise naming the freed tensor."""
+    if func in _METADATA:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+    freed = [a for a in _flatten(args, kwargs) if getattr(a, _MESSAGE, None) is not None]
+    name = getattr(func, "__name__", str(func))
+    raise FreedBufferError(f"{name}(): {getattr(freed[0], _MESSAGE)}" if freed
+                           else f"{name}(): a DBuffer view is used while freed")
+
+
 class FreedTensor(torch.Tensor):
     """The class a handed-out view has while its memory is freed (never constructed)."""
-
-    _METADATA: frozenset[Any] = frozenset()
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        if func in cls._METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        freed = [a for a in _flatten(args, kwargs) if isinstance(a, FreedTensor)]
-        name = getattr(func, "__name__", str(func))
-        raise FreedBufferError(f"{name}(): {getattr(freed[0], _MESSAGE)}" if freed
-                               else f"{name}(): a DBuffer view is used while freed")
+        return _refuse(func, args, kwargs)
 
 
-FreedTensor._METADATA = _metadata_functions()
+class FreedDTensor(DTensor):
+    """The class a handed-out DTensor has while its local view is freed (never constructed).
+
+    Torch functions raise as for :class:`FreedTensor`; the DTensor methods that run
+    collectives raise before any communication (every rank frees together, so every rank
+    raises); ``to_local`` returns the fenced local view itself, whose uses raise.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        return _refuse(func, args, kwargs)
+
+    def to_local(self, *, grad_placements: Any = None) -> torch.Tensor:
+        return self._local_tensor
+
+    def redistribute(self, *args: Any, **kwargs: Any) -> DTensor:
+        raise FreedBufferError(f"redistribute(): {getattr(self, _MESSAGE)}")
+
+    def full_tensor(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise FreedBufferError(f"full_tensor(): {getattr(self, _MESSAGE)}")
+
+
+_METADATA: frozenset[Any] = _metadata_functions()
 
 
 def _flatten(args: Any, kwargs: Any) -> list[Any]:
@@ -87,14 +119,14 @@ def fence(tensor: torch.Tensor, message: str) -> None:
     """Make every data use of ``tensor`` raise :class:`FreedBufferError` with ``message``.
 
     Args:
-        tensor: a plain tensor (or a subclass with an instance ``__dict__``).
+        tensor: a plain tensor (or a subclass with an instance ``__dict__``) or a DTensor.
         message: what the error says (which tensor, which buffer, what to call first).
     """
-    if isinstance(tensor, FreedTensor):
+    if isinstance(tensor, (FreedTensor, FreedDTensor)):
         return
     setattr(tensor, _MESSAGE, message)
     setattr(tensor, _CLASS, type(tensor))
-    tensor.__class__ = FreedTensor
+    tensor.__class__ = FreedDTensor if isinstance(tensor, DTensor) else FreedTensor
 
 
 def unfence(tensor: torch.Tensor) -> None:
@@ -103,7 +135,7 @@ def unfence(tensor: torch.Tensor) -> None:
     Args:
         tensor: a tensor passed to :func:`fence` (others are left alone).
     """
-    if not isinstance(tensor, FreedTensor):
+    if not isinstance(tensor, (FreedTensor, FreedDTensor)):
         return
     tensor.__class__ = getattr(tensor, _CLASS)
     delattr(tensor, _MESSAGE)

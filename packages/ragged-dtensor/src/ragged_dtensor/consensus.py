@@ -4,10 +4,13 @@ Distributed code validates its inputs locally (a wrong local size, a bad placeme
 that raises alone leaves its peers blocked in the next collective until the timeout. Every
 rank therefore calls :func:`raise_on_any_rank` at the point where it would raise: one small
 all-reduce of a flag on the happy path, and only on failure an ``all_gather_object`` of the
-messages.
+messages. The same all-reduce can also check that every rank holds the same value (a plan
+fingerprint, say): a mismatch is one more way to fail, at no extra cost when all agree.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -27,7 +30,15 @@ def _rebuild(exc_type: type[BaseException], message: str) -> BaseException:
         return RuntimeError(message)
 
 
-def raise_on_any_rank(error: BaseException | None, group: dist.ProcessGroup | None = None) -> None:
+def _code(value: str | None) -> int:
+    """``value`` as a non-negative 63-bit integer (0 for ``None``), to compare in an int64."""
+    if value is None:
+        return 0
+    return int.from_bytes(hashlib.sha256(value.encode()).digest()[:8], "little") >> 1
+
+
+def raise_on_any_rank(error: BaseException | None, group: dist.ProcessGroup | None = None, *,
+                      agree_on: str | None = None) -> None:
     """Collectively check for an error: if any rank of ``group`` passes one, every rank raises.
 
     Every rank of ``group`` must call this at the same point. The raised exception has the
@@ -35,13 +46,21 @@ def raise_on_any_rank(error: BaseException | None, group: dist.ProcessGroup | No
     message, so all ranks fail the same way; on a failing rank the original error is chained
     as ``__cause__``.
 
+    With ``agree_on``, the same collective also checks that every rank passed the same
+    string (e.g. a fingerprint of a plan the ranks must share): one all-reduce of
+    ``[flag, h, -h]`` with ``max`` finds both a failing rank and differing hashes ``h``.
+    Errors win over a disagreement; a disagreement alone raises ``ValueError`` listing each
+    rank's value.
+
     Args:
         error: this rank's error, or ``None`` when this rank is fine.
         group: the process group (default: the default group). Without an initialised
             process group, ``error`` itself is raised.
+        agree_on: a value every rank must hold equally, or ``None`` for no such check.
 
     Raises:
         BaseException: the consensus error, when any rank passed one.
+        ValueError: when the ranks' ``agree_on`` values differ (and no rank passed an error).
     """
     if not dist.is_available() or not dist.is_initialized():
         if error is not None:
@@ -49,20 +68,28 @@ def raise_on_any_rank(error: BaseException | None, group: dist.ProcessGroup | No
         return
     world = dist.get_world_size(group)
     mine = None if error is None else (type(error), f"{type(error).__name__}: {error}")
-    gathered: list[tuple[type[BaseException], str] | None] = [mine]
+    gathered: list[tuple[tuple[type[BaseException], str] | None, str | None]] = [(mine, agree_on)]
     if world > 1:
-        flag = torch.tensor([int(error is not None)], dtype=torch.int32, device=_flag_device(group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if not int(flag.item()):
+        code = _code(agree_on)
+        flags = torch.tensor([int(error is not None), code, -code], dtype=torch.int64,
+                             device=_flag_device(group))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        failed_any, highest, lowest = (int(v) for v in flags.tolist())
+        if not failed_any and highest == -lowest:
             return
-        gathered = [None] * world
-        dist.all_gather_object(gathered, mine, group=group)
+        gathered = [None] * world  # type: ignore[list-item]
+        dist.all_gather_object(gathered, (mine, agree_on), group=group)
     elif error is None:
         return
-    failed = [(rank, item) for rank, item in enumerate(gathered) if item is not None]
+
+    def global_rank(rank: int) -> int:
+        return dist.get_global_rank(group, rank) if group is not None else rank
+
+    failed = [(rank, item) for rank, (item, _) in enumerate(gathered) if item is not None]
+    if not failed:
+        listing = "; ".join(f"rank {global_rank(rank)}: {value}"
+                            for rank, (_, value) in enumerate(gathered))
+        raise ValueError(f"values that must agree differ across ranks ({listing})")
     exc_type = failed[0][1][0]
-    message = "; ".join(
-        f"rank {dist.get_global_rank(group, rank) if group is not None else rank}: {text}"
-        for rank, (_, text) in failed
-    )
+    message = "; ".join(f"rank {global_rank(rank)}: {text}" for rank, (_, text) in failed)
     raise _rebuild(exc_type, f"error on {len(failed)} rank(s): {message}") from error
