@@ -57,14 +57,12 @@ def _hand_plan() -> Plan:
     )
 
 
-def test_local_range_and_units_by_hand() -> None:
+def test_local_range_by_hand() -> None:
     p = _hand_plan()
     assert p.padding == 32 - 29
     assert [p.local_range("b", r) for r in range(4)] == [(0, 0), (0, 8), (8, 16), (16, 20)]
     assert [p.local_range("c", r) for r in range(4)] == [(0, 0), (0, 0), (0, 0), (0, 3)]
-    assert p.local_units("b") == (0, 2, 2, 1)  # gcd(4, 20) = 4
-    assert p.local_units("a") == (2, 0, 0, 0)  # gcd(3, 6) = 3
-    assert p.local_units("c") == (0, 0, 0, 3)
+    assert [p.local_range("a", r) for r in range(4)] == [(0, 6), (0, 0), (0, 0), (0, 0)]
     with pytest.raises(KeyError, match="'zz'"):
         p.entry("zz")
     with pytest.raises(ValueError, match="rank 4"):

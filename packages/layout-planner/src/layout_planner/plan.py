@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 
 from layout_planner.spec import TensorSpec
@@ -120,24 +119,6 @@ class Plan:
         if start >= end:
             return (0, 0)
         return (start - e.offset, end - e.offset)
-
-    def local_units(self, name: str) -> tuple[int, ...]:
-        """Per-rank element counts of tensor ``name`` divided by ``gcd(unit, numel)``.
-
-        Every count is a whole number of that quantum (inner cuts fall on unit boundaries, the
-        ends on 0 and ``numel``), so this is exactly the ``local_units`` of the RaggedShard
-        that describes the tensor's sharding.
-
-        Args:
-            name: A tensor name in this plan.
-
-        Returns:
-            One count per rank.
-        """
-        e = self.entry(name)
-        quantum = math.gcd(e.unit, e.numel)
-        ranges = (self.local_range(name, r) for r in range(self.world_size))
-        return tuple((end - start) // quantum for start, end in ranges)
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict of the plan (see :meth:`to_json`)."""
