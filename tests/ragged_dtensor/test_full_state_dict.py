@@ -54,14 +54,17 @@ def reference(layouts: list[Layout], seed_shift: int = 0) -> nn.Module:
     return module
 
 
-def sharded(mesh_shape: tuple[int, ...], layouts: list[Layout], device: str = "cpu") -> nn.Module:
+def sharded(mesh_shape: tuple[int, ...], layouts: list[Layout], device: str = "cpu",
+            dtypes: dict[str, torch.dtype] | None = None) -> nn.Module:
     """The distributed module, initialised with values unlike the reference's: RaggedShard
-    parameters from ``ragged_dtensor.distribute_tensor`` and a ``Shard(0)`` one from torch's."""
+    parameters from ``ragged_dtensor.distribute_tensor`` (of ``dtypes[name]``, default fp32)
+    and a ``Shard(0)`` one from torch's."""
     mesh = mesh_of(mesh_shape)
     replicas = [Replicate()] * (mesh.ndim - 1)
     module = nn.Module()
     for name, lay in zip(NAMES, layouts):
-        full = torch.full(lay.shape, -7.0, device=device)
+        dtype = (dtypes or {}).get(name, torch.float32)
+        full = torch.full(lay.shape, -7.0, device=device, dtype=dtype)
         placements = replicas + [lay.placement]
         dt = ragged_dtensor.distribute_tensor(full, mesh, placements, src_data_rank=None)
         module.register_parameter(name, nn.Parameter(dt))
@@ -80,7 +83,7 @@ def check_matches(module: nn.Module, ref: nn.Module, layouts: list[Layout]) -> N
         assert isinstance(param, DTensor) and param.placements[-1] == lay.placement, name
         coordinate = ragged_coordinate(param.device_mesh)
         want = ragged_slice(getattr(ref, name).detach(), lay.k, lay.units, coordinate)
-        assert torch.equal(param.to_local(), want), name
+        assert torch.equal(param.to_local(), want.to(param.dtype)), name
     assert torch.equal(module.plain.full_tensor(), ref.plain.detach())
     assert torch.equal(module.buf, ref.buf)
 
@@ -114,11 +117,11 @@ def recorded_collectives() -> Iterator[list[tuple[str, int]]]:
 
 
 def load_model_case(mesh_shape: tuple[int, ...], broadcast: bool) -> list[tuple[str, int]]:
-    """set_model_state_dict(full) into a built module: in place, exact, strict; returns the
-    collectives this rank took part in."""
+    """set_model_state_dict(full) into a built module: in place, exact, strict, into a bf16
+    parameter too (cast on arrival); returns the collectives this rank took part in."""
     layouts = LAYOUTS[mesh_shape[-1]]
     ref = reference(layouts)
-    module = sharded(mesh_shape, layouts)
+    module = sharded(mesh_shape, layouts, dtypes={"p0": torch.bfloat16})
     params = {name: p for name, p in module.named_parameters()}
     storage = {name: p._local_tensor.untyped_storage().data_ptr() for name, p in params.items()}
     full = ref.state_dict() if not broadcast or dist.get_rank() == 0 else {}
@@ -163,6 +166,23 @@ def test_broadcast_from_rank0_sends_each_rank_only_its_run(ranks, mesh_shape) ->
         broadcasts = sorted(n for op, n in calls[rank] if op == "broadcast")
         assert scatters == run_numels(mesh_shape, rank), (rank, calls[rank])
         assert broadcasts == plain_numels, (rank, calls[rank])
+
+
+def mismatch_case() -> str:
+    """A full tensor of another shape: every rank raises before any run is sent."""
+    layouts = LAYOUTS[dist.get_world_size()]
+    full = reference(layouts).state_dict() if dist.get_rank() == 0 else {}
+    if full:
+        full["p0"] = full["p0"].t()
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    with pytest.raises(ValueError, match="'p0' has shape") as raised:
+        set_model_state_dict(sharded((dist.get_world_size(),), layouts), full, options=options)
+    return str(raised.value)
+
+
+def test_a_full_tensor_of_another_shape_raises_on_every_rank(ranks) -> None:
+    messages = ranks.run(3, mismatch_case)
+    assert len(set(messages)) == 1 and "(4, 6)" in messages[0] and "(6, 4)" in messages[0]
 
 
 def meta_load_case(mesh_shape: tuple[int, ...], broadcast: bool) -> bool:
