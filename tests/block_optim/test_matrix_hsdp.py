@@ -98,7 +98,9 @@ def test_hsdp_collectives_per_step(ranks, optimizer: str) -> None:
             assert counts["numels"]["all_reduce"] == [1], counts
             assert counts["comm"] == {"c10d.alltoall_base_": 2, "c10d.allreduce_": 1}, counts
         for counts in rank_results[1]["counts"]:
-            assert counts["calls"] == {"all_reduce": 2} and counts["numels"] == {"all_reduce": [1, 1]}, counts
+            # the replicas' 1-element status, then raise_on_any_rank's flags on the shard dim
+            assert counts["calls"] == {"all_reduce": 2}, counts
+            assert counts["numels"]["all_reduce"][0] == 1 and counts["numels"]["all_reduce"][1] <= 3, counts
             assert counts["comm"] == {"c10d.allreduce_": 2}, counts
         if optimizer == "Muon":
             assert all(c == {"calls": {}, "numels": {}, "comm": {}} for c in rank_results[2]["counts"])

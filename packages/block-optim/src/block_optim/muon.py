@@ -59,8 +59,10 @@ class Muon(MatrixOptimizer):
     ``U = G + momentum * (B - G)`` (Nesterov) or ``U = B``; ``O = NS5(U)``;
     ``W <- W * (1 - lr * weight_decay) - lr * scale(rows, cols) * O``. A 3-D parameter
     ``[E, rows, cols]`` is ``E`` matrices. Parameters may be plain tensors or DTensors with a
-    ``RaggedShard``, ``Shard`` or ``Replicate`` placement on a 1-D mesh; each whole matrix is
-    orthogonalized on one owner rank and the results equal a single-device run.
+    ``RaggedShard``, ``Shard`` or ``Replicate`` placement on a 1-D mesh, or HSDP's
+    ``(Replicate(), RaggedShard(...))`` on a 2-D mesh (matrices are exchanged along the shard
+    dimension only); each whole matrix is orthogonalized on one owner rank and the results
+    equal a single-device run.
 
     Args:
         params: Parameters or parameter groups (``named_parameters()`` gives names in errors).
@@ -84,7 +86,8 @@ class Muon(MatrixOptimizer):
             all, but a non-finite input raises only on the rank that found it, and its peers,
             having applied the step, block in their next collective until it times out.
             Steps where matrices travel report on every rank either way (the status rides
-            in the return all-to-all).
+            in the return all-to-all). On an HSDP mesh the status also crosses the replicate
+            dimension in a 1-element all-reduce, which ``False`` skips too.
     """
 
     optimizer_name = "Muon"

@@ -56,8 +56,9 @@ class Shampoo(MatrixOptimizer):
 
     A 3-D parameter ``[E, rows, cols]`` is ``E`` matrices; 0-D and 1-D parameters take the
     grafting optimizer's step (SGD for ``grafting="none"``). Parameters may be plain tensors or
-    DTensors with ``RaggedShard``, ``Shard`` or ``Replicate`` placements on a 1-D mesh; results
-    equal a single-device run.
+    DTensors with ``RaggedShard``, ``Shard`` or ``Replicate`` placements on a 1-D mesh, or HSDP's
+    ``(Replicate(), RaggedShard(...))`` on a 2-D mesh (bands are exchanged along the shard
+    dimension only); results equal a single-device run.
 
     Args:
         params: Parameters or parameter groups (``named_parameters()`` gives names in errors).
