@@ -1,25 +1,13 @@
-"""The ```python blocks of docs/dbuffer.md run, in order, on two gloo ranks."""
+"""The ```python blocks of docs/dbuffer.md run, in order, as one program on two gloo ranks."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
+from tests.docs_pages import exec_source, python_blocks
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "dbuffer.md"
-
-
-def _blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)
-
-
-def _run_page(blocks: list[str]) -> int:
-    namespace: dict[str, object] = {"__name__": "dbuffer_docs"}
-    for block in blocks:
-        exec(compile(block, str(PAGE), "exec"), namespace)  # noqa: S102 - our own docs
-    return len(blocks)
+PAGE = "dbuffer.md"
 
 
 def test_docs_examples_run_on_two_ranks(ranks) -> None:
-    blocks = _blocks()
-    assert len(blocks) >= 6
-    assert ranks.run(2, _run_page, blocks) == [len(blocks)] * 2
+    blocks = python_blocks(PAGE)
+    assert len(blocks) >= 7
+    assert ranks.run(2, exec_source, "\n".join(blocks), PAGE) == [True, True]
