@@ -93,7 +93,8 @@ def recorded_collectives() -> Iterator[list[tuple[str, int]]]:
     """Record ``(collective, elements received here)`` for the collectives state-dict loading
     calls through ``torch.distributed`` (broadcasts and all-to-alls)."""
     calls: list[tuple[str, int]] = []
-    saved = {name: getattr(dist, name) for name in ("broadcast", "_broadcast_coalesced", "all_to_all_single")}
+    names = ("broadcast", "_broadcast_coalesced", "all_to_all_single")
+    saved = {name: getattr(dist, name) for name in names}
 
     def broadcast(tensor, *args, **kwargs):
         calls.append(("broadcast", tensor.numel()))
@@ -216,7 +217,8 @@ def get_model_case(mesh_shape: tuple[int, ...]) -> bool:
         module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     if dist.get_rank() == 0:
-        assert all(torch.equal(offloaded[k], want[k]) for k in want) and sorted(offloaded) == sorted(want)
+        assert sorted(offloaded) == sorted(want)
+        assert all(torch.equal(offloaded[k], want[k]) for k in want)
     else:
         assert offloaded == {}
     return True
@@ -228,14 +230,16 @@ def test_get_full_model_state_dict_equals_reference(ranks, mesh_shape) -> None:
     assert ranks.run(world, get_model_case, mesh_shape) == [True] * world
 
 
-def stepped(module: nn.Module, layouts: list[Layout], mesh_shape: tuple[int, ...] | None) -> torch.optim.AdamW:
-    """One AdamW step with gradients drawn from the layouts' seeds (ragged when ``mesh_shape``)."""
+def stepped(module: nn.Module) -> torch.optim.AdamW:
+    """One AdamW step with gradients drawn from fixed seeds (RaggedShard for DTensors)."""
     optim = torch.optim.AdamW(module.parameters(), lr=0.1, weight_decay=0.01)
     for name, param in module.named_parameters():
         seed = 500 + (NAMES.index(name) if name in NAMES else 9)
         grad = full_of(seed, tuple(param.shape))
         if isinstance(param, DTensor):
-            grad = ragged_dtensor.distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None)
+            grad = ragged_dtensor.distribute_tensor(
+                grad, param.device_mesh, param.placements, src_data_rank=None
+            )
         param.grad = grad
     optim.step()
     return optim
@@ -246,10 +250,11 @@ def optim_case(mesh_shape: tuple[int, ...], broadcast: bool) -> bool:
     into a fresh optimizer gives every rank its runs of each state, placements kept."""
     layouts = LAYOUTS[mesh_shape[-1]]
     ref = reference(layouts)
-    ref_optim = stepped(ref, layouts, None)
+    ref_optim = stepped(ref)
     module = sharded(mesh_shape, layouts)
-    set_model_state_dict(module, reference(layouts).state_dict(), options=StateDictOptions(full_state_dict=True))
-    optim = stepped(module, layouts, mesh_shape)
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(module, reference(layouts).state_dict(), options=options)
+    optim = stepped(module)
     check_matches(module, ref, layouts)
 
     full = get_optimizer_state_dict(module, optim, options=StateDictOptions(full_state_dict=True))
@@ -258,6 +263,12 @@ def optim_case(mesh_shape: tuple[int, ...], broadcast: bool) -> bool:
             got = full["state"][name][state_name]
             assert type(got) is torch.Tensor, (name, state_name, type(got))
             torch.testing.assert_close(got, value, atol=1e-6, rtol=1e-6, msg=f"{name}.{state_name}")
+    offload = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    offloaded = get_optimizer_state_dict(module, optim, options=offload)
+    if dist.get_rank() == 0:
+        for name in full["state"]:
+            for state_name, value in full["state"][name].items():
+                assert torch.equal(offloaded["state"][name][state_name], value), (name, state_name)
 
     module.zero_grad(set_to_none=True)  # as on resume; torch initialises states only then
     fresh = torch.optim.AdamW(module.parameters(), lr=0.1, weight_decay=0.01)

@@ -55,7 +55,7 @@ def _distribute_tensor(
     return _TORCH_DISTRIBUTE_TENSOR(tensor, device_mesh, placements, src_data_rank=src_data_rank)
 
 
-def _group_runs(dtensor: DTensor, group: dist.ProcessGroup) -> list[tuple[int, int]]:
+def _group_runs(key: str, dtensor: DTensor, group: dist.ProcessGroup) -> list[tuple[int, int]]:
     """The flat run ``[start, end)`` each rank of ``group`` owns, in group-rank order
     (``(0, 0)`` for a rank outside the DTensor's mesh).
 
@@ -68,8 +68,8 @@ def _group_runs(dtensor: DTensor, group: dist.ProcessGroup) -> list[tuple[int, i
     mesh_dim, placement = found
     if not all(isinstance(p, (Replicate, RaggedShard)) for p in dtensor.placements):
         raise ValueError(
-            f"loading a full tensor into a RaggedShard DTensor needs every other mesh dim to be "
-            f"Replicate, got placements {dtensor.placements}"
+            f"full state dict entry {key!r}: loading into a RaggedShard DTensor needs every "
+            f"other mesh dim to be Replicate, got placements {dtensor.placements}"
         )
     shape = tuple(dtensor.shape)
     by_coordinate = dtensor.device_mesh.mesh.movedim(mesh_dim, 0)
@@ -86,12 +86,11 @@ def _send_buffer(full: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tenso
     """Rank 0's input to the scatter: the runs in group order, one after another (the flat
     tensor itself, no copy, when they already tile it in order, as on a 1-D mesh)."""
     flat = full.reshape(-1)
-    ends = [0]
-    for start, end in runs:
-        if start != end and start != ends[-1]:
-            return torch.cat([flat[s:e] for s, e in runs])
-        ends.append(max(end, ends[-1]))
-    return flat if ends[-1] == flat.numel() else torch.cat([flat[s:e] for s, e in runs])
+    pieces = [(start, end) for start, end in runs if end > start]
+    starts, ends = [s for s, _ in pieces], [e for _, e in pieces]
+    if not pieces or (starts == [0] + ends[:-1] and ends[-1] == flat.numel()):
+        return flat
+    return torch.cat([flat[start:end] for start, end in pieces])
 
 
 def scatter_full_tensor(
@@ -130,7 +129,7 @@ def scatter_full_tensor(
             f"full state dict entry {key!r} has shape {tuple(size)} but the RaggedShard "
             f"DTensor it loads into has shape {tuple(local_state.shape)}"
         )
-    runs = _group_runs(local_state, group)
+    runs = _group_runs(key, local_state, group)
     me = dist.get_rank(group)
     source = dist.get_group_rank(group, _SOURCE_RANK)
     group_devices = {d.type for d in group._device_types}
@@ -143,7 +142,10 @@ def scatter_full_tensor(
         and local.is_contiguous()
     )
     start, end = runs[me]
-    received = local.detach() if in_place else torch.empty(end - start, dtype=dtype, device=comm_device)
+    if in_place:
+        received = local.detach()
+    else:
+        received = torch.empty(end - start, dtype=dtype, device=comm_device)
     sizes = [e - s for s, e in runs]
     if me == source:
         assert full is not None
