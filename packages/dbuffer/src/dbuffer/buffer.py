@@ -521,7 +521,12 @@ class DBuffer:
         the gradient buffer into the reduce dtype (with the division when ``predivide``) and,
         after the collective, one scale, cast or add into the sharded gradients. When the
         dtypes allow, the collective reads the gradient buffer and writes the sharded
-        gradient buffer directly.
+        gradient buffer directly; ``predivide`` without a dtype change then scales the
+        gradient buffer in place (the unsharded gradients keep the divided values).
+
+        First, the ``.grad`` of every unsharded view handed out that is not its gradient view
+        (``create_graph=True`` replaced it, or it was assigned) is folded into the buffer
+        (see :meth:`fold_grad`), so no gradient that exists is left out of the reduction.
 
         Args:
             op: ``"avg"`` (divide by the number of data-parallel ranks) or ``"sum"``.

@@ -24,7 +24,8 @@ mechanisms are combined:
   re-allocation), so writes through *other* aliases (``nn.Parameter(view)``, a ``detach()``
   taken before the free, autograd accumulating into a ``.grad`` alias) raise too.
 
-Not covered (documented): reads through an alias DBuffer did not hand out, which still crash
+Not covered (documented): reads through an alias DBuffer did not hand out (such as the new
+view ``DTensor.to_local()`` returns for autograd while grad mode is on), which still crash
 on CPU, and C++ code reading the handed-out object directly (autograd running a backward
 whose saved tensor is freed, ``torch.tensor(view)``).
 """
