@@ -10,7 +10,6 @@ and registers a RaggedShard DTensor parameter over each run in place of the orig
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -25,11 +24,12 @@ from fsdp.buffers import make_buffer, sharded_parameter
 from fsdp.param_group import FSDPParamGroup, ManagedParam
 from fsdp.policies import UnitPolicy, resolve_unit
 
-# Original parameter -> the modules of the group that took it, to name both in the error
-# FSDP2 gives for a parameter shared across groups.
-_OWNER_OF: weakref.WeakKeyDictionary[nn.Parameter, str] = weakref.WeakKeyDictionary()
-# Sharded parameters we registered, to recognise fully_shard applied top-down.
-_SHARDED: weakref.WeakSet[nn.Parameter] = weakref.WeakSet()
+# Marks set on parameters (tensors hash by identity but compare element-wise, so weak
+# containers cannot hold them): the group label that took an original parameter, to name both
+# groups in the error FSDP2 gives for a parameter shared across groups, and a flag on the
+# sharded parameters we registered, to recognise fully_shard applied top-down.
+_OWNER_ATTR = "_fsdp_owner_group"
+_SHARDED_ATTR = "_fsdp_sharded"
 
 _COLLECTIVE_ALIGN_BYTES = 16
 # One more buffer is one more collective per pass; its latency is worth about this many bytes
@@ -85,14 +85,14 @@ def collect_params(modules: list[tuple[str, nn.Module]],
             if param in by_param:
                 by_param[param].slots.append((module, attr))
                 continue
-            if param in _SHARDED:
+            if getattr(param, _SHARDED_ATTR, False):
                 raise ValueError(
                     f"fully_shard: parameter {name!r} is already sharded by fully_shard on an "
                     "enclosing module; apply fully_shard bottom-up (blocks first, then the root)")
-            if param in _OWNER_OF:
+            if hasattr(param, _OWNER_ATTR):
                 raise ValueError(
                     f"fully_shard: parameter {name!r} is shared with the group of "
-                    f"{_OWNER_OF[param]}, which already manages it; a parameter can belong "
+                    f"{getattr(param, _OWNER_ATTR)}, which already manages it; a parameter can belong "
                     "to one group only: put both modules in one group with "
                     "fully_shard([module_a, module_b])")
             if param.numel() == 0:
@@ -147,8 +147,8 @@ def build_group(collected: list[Collected], mesh: DeviceMesh, device: torch.devi
             for name in names:
                 c = by_name[name]
                 sharded = sharded_parameter(buffer, name, requires_grad)
-                _OWNER_OF[c.param] = label
-                _SHARDED.add(sharded)
+                setattr(c.param, _OWNER_ATTR, label)
+                setattr(sharded, _SHARDED_ATTR, True)
                 m = ManagedParam(name, c.slots, buffer, sharded)
                 m.register(sharded)
                 managed.append(m)
