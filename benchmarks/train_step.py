@@ -1,0 +1,302 @@
+"""fsdp vs FSDP2: whole training steps of a LLaMA-style model on 4 gloo ranks.
+
+The same model (RMSNorm, causal attention, SwiGLU; 4 layers, d_model 256, vocab 1000, seq 128,
+batch 4 per rank, 3.7M parameters) is wrapped torchtitan-style (each block, then the root) by
+``torch.distributed.fsdp.fully_shard`` (FSDP2) and by ``fsdp.fully_shard`` and trained with
+``torch.optim.AdamW``, in fp32 and with bf16 compute / fp32 gradient reduction
+(``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``).
+
+Each (system, mode) runs in freshly spawned ranks, one thread each, so that the peak memory of
+one system never hides in the heap left by the other; the systems alternate (in swapped order
+every round) so both see the same machine noise. Reported per mode:
+
+* step time: median over every measured step of every round, each step the slowest rank's
+  wall time (a barrier starts each step);
+* peak RSS over baseline: per rank, ``VmHWM`` after the steps minus ``VmRSS`` right before
+  the model is built (the high-water mark is reset there through ``/proc/self/clear_refs``);
+  the largest rank is reported;
+* bytes copied by the system's machinery: the copy ops (``dbuffer.profiling``: ``copy_``,
+  ``_foreach_copy_``, ``split_with_sizes_copy``, ``chunk_cat``, ``cat`` into ``out=``, casts)
+  that one profiled step issues on rank 0 outside the communication backend, minus those of
+  the same forward/backward on an unsharded copy of the model (the model's own copies);
+* ratios ours / FSDP2 (targets on a quiet machine: step time <= 0.90, peak memory <= 0.80).
+
+Run: ``python benchmarks/train_step.py [--steps N] [--warmup W] [--rounds R]``; writes
+``benchmarks/results/train_step.json``. On a shared machine timings are noisy: measure the
+real figures on a quiet one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# The script's folder goes last on the import path, so `import fsdp` finds the package while
+# the shared benchmark helpers stay importable.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from gloo_ranks import run_on_gloo_ranks  # noqa: E402
+from torch import nn  # noqa: E402
+
+WORLD_SIZE = 4
+RESULTS = _HERE / "results" / "train_step.json"
+SYSTEMS = {"fsdp2": "torch.distributed.fsdp", "fsdp": "fsdp"}
+MODES = {"fp32": None, "bf16_compute_fp32_reduce": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The benchmarked model and batch."""
+
+    layers: int = 4
+    dim: int = 256
+    heads: int = 4
+    ffn: int = 688
+    vocab: int = 1000
+    seq: int = 128
+    batch_per_rank: int = 4
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.attn_norm, self.mlp_norm = RMSNorm(cfg.dim), RMSNorm(cfg.dim)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(cfg.dim, cfg.dim, bias=False)
+                                              for _ in range(4))
+        self.w_gate, self.w_up = (nn.Linear(cfg.dim, cfg.ffn, bias=False) for _ in range(2))
+        self.w_down = nn.Linear(cfg.ffn, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (w(h).view(b, s, self.heads, d // self.heads).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(attn.transpose(1, 2).reshape(b, s, d))
+        h = self.mlp_norm(x)
+        return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def _status_kib(key: str) -> int:
+    return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)[1])
+
+
+def _reset_peak_rss() -> None:
+    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return F.cross_entropy(model(tokens[:, :-1]).float().reshape(-1, vocab),
+                           tokens[:, 1:].reshape(-1))
+
+
+def _scope_fsdp2_collectives(model: nn.Module) -> None:
+    """Put FSDP2's collectives inside ``comm:`` profiler scopes, as DBuffer's are, so the copies
+    gloo makes while completing them count as backend copies on both sides."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
+    from torch.profiler import record_function
+
+    class ScopedAllGather(DefaultAllGather):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            with record_function("comm:all_gather"):
+                return super().__call__(*args, **kwargs)
+
+    class ScopedReduceScatter(DefaultReduceScatter):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            with record_function("comm:reduce_scatter"):
+                return super().__call__(*args, **kwargs)
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(ScopedAllGather())
+            module.set_custom_reduce_scatter(ScopedReduceScatter())
+
+
+def _issued_bytes(fn: Any) -> tuple[int, dict[str, int]]:
+    """Bytes the copies issued by ``fn()`` write (outside gloo), and the bytes per op scope."""
+    from dbuffer.profiling import profile_copies
+
+    found = [c for c in profile_copies(fn) if not c.backend]
+    by_scope: dict[str, int] = {}
+    for c in found:
+        scope = next((a for a in reversed(c.ancestors) if not a.startswith("aten::")), c.name)
+        key = f"{scope} > {c.ancestors[-1] if c.ancestors else c.name}"
+        by_scope[key] = by_scope.get(key, 0) + c.nbytes
+    return sum(c.nbytes for c in found), by_scope
+
+
+def measure_system(system: str, compute: torch.dtype | None, cfg: ModelConfig, steps: int,
+                   warmup: int) -> dict[str, Any]:
+    """On every rank: build, shard and train; rank 0 returns the step times, every rank's
+    peak RSS over baseline and the profiled copies of one more step."""
+    import importlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    api = importlib.import_module(SYSTEMS[system])
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    gen = torch.Generator().manual_seed(1000 + rank)
+    batches = torch.randint(cfg.vocab, (warmup + steps + 1, cfg.batch_per_rank, cfg.seq + 1),
+                            generator=gen)
+    dist.barrier()
+    baseline = _status_kib("VmRSS")
+    _reset_peak_rss()
+
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    policy = api.MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        api.fully_shard(layer, mesh=mesh, mp_policy=policy)
+    api.fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(tokens: torch.Tensor) -> None:
+        _loss(model, tokens, cfg.vocab).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step(batches[i])
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(float(elapsed) * 1e3)
+    peaks = [None] * WORLD_SIZE
+    dist.all_gather_object(peaks, (_status_kib("VmHWM") - baseline) * 1024)
+
+    if system == "fsdp2":
+        _scope_fsdp2_collectives(model)
+    copied, by_scope = _issued_bytes(lambda: step(batches[-1]))
+    # the model's own copies: the same forward/backward on an unsharded replica
+    replica = Llama(cfg).to(compute or torch.float32)
+    own, _ = _issued_bytes(lambda: _loss(replica, batches[-1], cfg.vocab).backward())
+    return {"step_ms": times, "peak_rss_over_baseline_bytes": peaks,
+            "copy_bytes_per_step": copied - own, "copy_bytes_total": copied,
+            "copy_bytes_model_only": own,
+            "copy_bytes_by_scope": dict(sorted(by_scope.items(), key=lambda kv: -kv[1])[:12])}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = ModelConfig()
+    report: dict[str, Any] = {}
+    for mode, compute in MODES.items():
+        rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
+        for r in range(args.rounds):
+            order = list(args.systems) if r % 2 == 0 else list(reversed(args.systems))
+            for system in order:
+                print(f"{mode}: round {r + 1}/{args.rounds}, {system}", flush=True)
+                rounds[system].append(run_on_gloo_ranks(
+                    measure_system, WORLD_SIZE, system, compute, cfg, args.steps, args.warmup))
+        entry: dict[str, Any] = {}
+        for system, results in rounds.items():
+            times = [t for res in results for t in res["step_ms"]]
+            entry[system] = {
+                "median_step_ms": statistics.median(times),
+                "min_step_ms": min(times),
+                "peak_rss_over_baseline_bytes": max(max(res["peak_rss_over_baseline_bytes"])
+                                                    for res in results),
+                "peak_rss_over_baseline_bytes_per_rank": results[-1]["peak_rss_over_baseline_bytes"],
+                "copy_bytes_per_step": results[-1]["copy_bytes_per_step"],
+                "copy_bytes_total": results[-1]["copy_bytes_total"],
+                "copy_bytes_model_only": results[-1]["copy_bytes_model_only"],
+                "copy_bytes_by_scope": results[-1]["copy_bytes_by_scope"],
+            }
+        if set(entry) == set(SYSTEMS):
+            ours, theirs = entry["fsdp"], entry["fsdp2"]
+            entry["ratios_ours_over_fsdp2"] = {
+                "step_time": ours["median_step_ms"] / theirs["median_step_ms"],
+                "peak_memory": ours["peak_rss_over_baseline_bytes"]
+                / theirs["peak_rss_over_baseline_bytes"],
+                "copy_bytes": ours["copy_bytes_per_step"] / max(theirs["copy_bytes_per_step"], 1),
+            }
+        report[mode] = entry
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per round")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="fresh-process runs per system and mode, alternating")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument("--note", default="shared 2-core machine: timings are noisy; measure "
+                        "the real figures on a quiet machine")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    report = run(args)
+    result = {
+        "benchmark": "training step, fsdp vs FSDP2 (torch.distributed.fsdp.fully_shard)",
+        "world_size": WORLD_SIZE, "backend": "gloo (CPU, 1 thread per rank)",
+        "model": asdict(ModelConfig()), "optimizer": "torch.optim.AdamW",
+        "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+        "targets": {"step_time": 0.90, "peak_memory": 0.80},
+        "note": args.note,
+        "modes": report,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    print(f"{'mode':26s} {'system':6s} {'step ms':>8s} {'peak MB':>8s} {'copy MB':>8s}")
+    for mode, entry in report.items():
+        for system in args.systems:
+            e = entry[system]
+            print(f"{mode:26s} {system:6s} {e['median_step_ms']:8.1f} "
+                  f"{e['peak_rss_over_baseline_bytes'] / 2**20:8.1f} "
+                  f"{e['copy_bytes_per_step'] / 2**20:8.2f}")
+        if "ratios_ours_over_fsdp2" in entry:
+            r = entry["ratios_ours_over_fsdp2"]
+            print(f"{mode:26s} ours/FSDP2: step time {r['step_time']:.2f}x (target <= 0.90), "
+                  f"peak memory {r['peak_memory']:.2f}x (target <= 0.80), "
+                  f"copy bytes {r['copy_bytes']:.2f}x")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
