@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.dbuffer.collective_log import record_collectives
-from tests.fsdp.models import VOCAB, RunSpec, batches, build_model, full, import_fsdp, shard
+from tests.fsdp.models import VOCAB, RMSNorm, RunSpec, batches, build_model, full, import_fsdp, shard
 from tests.harness import device_mesh
 
 
@@ -78,6 +78,8 @@ def _init_weights(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             module.reset_parameters()
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
 
 
 def _meta_init(impl: str) -> dict[str, torch.Tensor]:

@@ -88,19 +88,20 @@ class ManagedParam:
         assert self.unsharded is not None
         if not self.armed:
             view = self.buffer.grad_view(self.name)
-            if self.unsharded.grad is not None and self.unsharded.grad is not view:
-                fold_replaced_grad(view, self.unsharded.grad, includes_view=False)
+            if self.unsharded.grad is not None:
+                self.buffer.fold_grad(self.name, self.unsharded.grad)
             self.unsharded.grad = view
             self.armed = True
 
     def _on_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate hook: note the gradient, and fold a gradient autograd put
-        somewhere else (``create_graph=True`` replaces ``.grad`` out of place)."""
+        somewhere else: under ``create_graph=True`` it sets ``.grad = old + new`` out of place
+        (so a replacement of the armed view already holds the view's value), and a ``.grad``
+        that was ``None`` receives only the new contribution."""
         self.got_grad = True
-        view = self.buffer.grad_view(self.name)
-        if param.grad is not view:
-            fold_replaced_grad(view, param.grad, includes_view=self.armed)
-            param.grad = view
+        if not self.buffer.grad_is_view(self.name, param.grad):
+            self.buffer.fold_grad(self.name, param.grad, includes_view=self.armed)
+            param.grad = self.buffer.grad_view(self.name)
             self.armed = True
 
     def disarm_grad(self) -> None:
@@ -350,17 +351,3 @@ class FSDPParamGroup:
             buffer.free_grad()
 
 
-
-def fold_replaced_grad(view: torch.Tensor, grad: torch.Tensor, *, includes_view: bool) -> None:
-    """Fold a gradient autograd wrote outside the gradient buffer back into it.
-
-    Under ``create_graph=True`` autograd does not add into a preset ``.grad`` in place: it
-    sets ``.grad = old + new``, so the replacement already holds the view's value
-    (``includes_view``) and is copied; a gradient that arrived while ``.grad`` was ``None``
-    holds only the new contribution and is added.
-    """
-    with torch.no_grad():
-        if includes_view:
-            view.copy_(grad)
-        else:
-            view.add_(grad)
