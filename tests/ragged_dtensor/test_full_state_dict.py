@@ -26,10 +26,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
 
 import ragged_dtensor
+from ragged_dtensor import RaggedShard
 from tests.ragged_dtensor.cases import Layout, full_of, mesh_of, ragged_coordinate, ragged_slice
 
 # per ragged mesh size: 2-D uneven, one-hot, 1-D, 3-D over two dims; zero-unit ranks throughout
@@ -184,6 +185,27 @@ def mismatch_case() -> str:
 def test_a_full_tensor_of_another_shape_raises_on_every_rank(ranks) -> None:
     messages = ranks.run(3, mismatch_case)
     assert len(set(messages)) == 1 and "(4, 6)" in messages[0] and "(6, 4)" in messages[0]
+
+
+def partial_target_case() -> str:
+    """A ``(Partial(), RaggedShard)`` target has no meaning for a full tensor: every rank
+    raises, naming the entry."""
+    mesh = mesh_of((2, 2))
+    placement = RaggedShard((0,), (1, 1))
+    local = torch.zeros(placement.local_numel((4, 6), mesh.get_local_rank(1)))
+    module = nn.Module()
+    module.register_parameter(
+        "w", nn.Parameter(ragged_dtensor.from_local_run(local, mesh, [Partial(), placement], (4, 6)))
+    )
+    full = {"w": torch.ones(4, 6)} if dist.get_rank() == 0 else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    with pytest.raises(ValueError, match="'w'.*Replicate") as raised:
+        set_model_state_dict(module, full, options=options)
+    return str(raised.value)
+
+
+def test_a_partial_target_raises_on_every_rank(ranks) -> None:
+    assert len(set(ranks.run(4, partial_target_case))) == 1
 
 
 def meta_load_case(mesh_shape: tuple[int, ...], broadcast: bool) -> bool:
