@@ -193,10 +193,9 @@ def partial_target_case() -> str:
     mesh = mesh_of((2, 2))
     placement = RaggedShard((0,), (1, 1))
     local = torch.zeros(placement.local_numel((4, 6), mesh.get_local_rank(1)))
+    target = ragged_dtensor.from_local_run(local, mesh, [Partial(), placement], (4, 6))
     module = nn.Module()
-    module.register_parameter(
-        "w", nn.Parameter(ragged_dtensor.from_local_run(local, mesh, [Partial(), placement], (4, 6)))
-    )
+    module.register_parameter("w", nn.Parameter(target))
     full = {"w": torch.ones(4, 6)} if dist.get_rank() == 0 else {}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     with pytest.raises(ValueError, match="'w'.*Replicate") as raised:
