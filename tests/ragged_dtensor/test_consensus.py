@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ragged_dtensor import RaggedShard, raise_on_any_rank, redistribute_many
+from tests.dbuffer.collective_log import record_collectives
 from tests.harness import device_mesh
 
 
@@ -37,7 +38,9 @@ def consensus_case(failing: list[int]) -> list[str]:
 
 def agree_case(odd: int) -> str:
     rank = dist.get_rank()
-    raise_on_any_rank(None, agree_on="plan A")  # equal values: the happy path returns
+    with record_collectives() as log:
+        raise_on_any_rank(None, agree_on="plan A")  # equal values: the happy path returns
+    assert [(c.name, c.input_numel) for c in log] == [("all_reduce", 3)], log
     with pytest.raises(ValueError, match="differ across ranks") as info:
         raise_on_any_rank(None, agree_on="plan B" if rank == odd else "plan A")
     # an error wins over a disagreement, and is raised with its own type
