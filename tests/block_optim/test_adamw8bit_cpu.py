@@ -174,3 +174,21 @@ def test_a_nan_gradient_propagates_like_torch_adamw() -> None:
     assert torch.isfinite(p[BLOCK + 6:]).all()
     absmax = opt.state[p]["exp_avg_absmax"]
     assert torch.isnan(absmax[1]) and torch.isfinite(absmax[[0, 2]]).all()
+
+
+def test_cpu_square_root_is_the_float64_round_trip() -> None:
+    """The CPU path takes numpy's fp32 square root; it must equal ``_sqrt_rn`` (the float64
+    root rounded once) on every kind of fp32: random bit patterns over the whole finite
+    positive range, denormals, zero, powers of two and the values next to them."""
+    from block_optim.adamw8bit_math import _sqrt_rn, _sqrt_rn_into
+
+    gen = torch.Generator().manual_seed(11)
+    patterns = torch.randint(0, 0x7F800000, (1 << 20,), dtype=torch.int32, generator=gen)
+    powers = 2.0 ** torch.arange(-149, 128, dtype=torch.float64)
+    powers = powers.float()
+    values = torch.cat([patterns.view(torch.float32), torch.rand(1 << 16, generator=gen),
+                        torch.tensor([0.0, torch.finfo(torch.float32).max]), powers,
+                        torch.nextafter(powers, torch.tensor(0.0)),
+                        torch.nextafter(powers, torch.tensor(float("inf")))])
+    ours = _sqrt_rn_into(values, torch.empty_like(values))
+    assert torch.equal(ours.view(torch.int32), _sqrt_rn(values).view(torch.int32))

@@ -113,26 +113,37 @@ def block_absmax(values: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Te
 
 @dataclass(frozen=True)
 class CodeScratch:
-    """Reusable buffers for :func:`quantize_blocks_` and :func:`dequantize_blocks_` (each of
-    at least as many elements as the blocks passed), so a loop over chunks allocates nothing.
+    """Buffers for :func:`quantize_blocks_` and :func:`dequantize_blocks_` on ``[rows, width]``
+    blocks, allocated once and reused by every chunk of a loop (views prepared here, since
+    each view op costs about a microsecond per chunk).
 
     Attributes:
-        floats: fp32 buffer (absolute values, then the scaled values).
-        keys: int32 buffer (order-preserving keys of the scaled values).
-        index: int32 buffer (table indices; the codes widened for dequantization).
-        gathered: int32 buffer (table entries).
+        floats: fp32 ``[rows, width]`` (absolute values, then the scaled values).
+        bits: ``floats`` flattened and viewed as int32.
+        keys: int32 ``[rows * width]`` (order keys of the scaled values).
+        index: int32 ``[rows * width]`` (table indices; the codes widened for dequantizing).
+        gathered: int32 ``[rows * width]`` (table entries).
     """
 
     floats: torch.Tensor
+    bits: torch.Tensor
     keys: torch.Tensor
     index: torch.Tensor
     gathered: torch.Tensor
 
     @classmethod
-    def empty(cls, numel: int, device: torch.device) -> CodeScratch:
-        """Uninitialised buffers of ``numel`` elements on ``device``."""
-        ints = [torch.empty(numel, dtype=torch.int32, device=device) for _ in range(3)]
-        return cls(torch.empty(numel, dtype=torch.float32, device=device), *ints)
+    def empty(cls, rows: int, width: int, device: torch.device) -> CodeScratch:
+        """Uninitialised buffers for ``rows`` blocks of ``width`` elements on ``device``."""
+        floats = torch.empty(rows, width, dtype=torch.float32, device=device)
+        ints = [torch.empty(rows * width, dtype=torch.int32, device=device) for _ in range(3)]
+        return cls(floats, floats.view(-1).view(torch.int32), *ints)
+
+    def head(self, rows: int, width: int) -> CodeScratch:
+        """The same memory as buffers for fewer (or narrower) blocks."""
+        n = rows * width
+        floats = self.floats.view(-1)[:n].view(rows, width)
+        return CodeScratch(floats, self.bits[:n], self.keys[:n], self.index[:n],
+                           self.gathered[:n])
 
 
 @dataclass(frozen=True)
@@ -195,42 +206,40 @@ def _code_table(qmap_values: tuple[float, ...], device: torch.device) -> torch.T
     return table.clamp(-(2**31), 2**31 - 1).to(torch.int32).to(device)
 
 
-def _nearest_codes_into(scaled: torch.Tensor, table: torch.Tensor, codes: torch.Tensor,
-                        scratch: CodeScratch, nonnegative: bool) -> None:
-    """Write the codes of the 1-D fp32 ``scaled`` into ``codes`` (see :func:`nearest_codes`)."""
-    c = _int_constants(scaled.device)
-    n = scaled.numel()
-    bits = scaled.view(torch.int32)
-    keys = bits
+def _nearest_codes_into(table: torch.Tensor, codes: torch.Tensor, scratch: CodeScratch,
+                        nonnegative: bool) -> None:
+    """Write the codes of the values in ``scratch.floats`` into ``codes`` (see
+    :func:`nearest_codes`)."""
+    c = _int_constants(table.device)
+    bits, keys = scratch.bits, scratch.bits
     if not nonnegative:
-        keys = torch.bitwise_right_shift(bits, c.sign_shift, out=scratch.keys[:n])
+        keys = torch.bitwise_right_shift(bits, c.sign_shift, out=scratch.keys)
         keys.bitwise_and_(c.magnitude).bitwise_xor_(bits)
-    index = torch.bitwise_right_shift(keys, c.bucket_shift, out=scratch.index[:n])
+    index = torch.bitwise_right_shift(keys, c.bucket_shift, out=scratch.index)
     index.add_(c.bucket_offset)
-    gathered = torch.index_select(table, 0, index, out=scratch.gathered[:n])
+    gathered = torch.index_select(table, 0, index, out=scratch.gathered)
     codes.copy_(gathered.add_(keys).bitwise_right_shift_(c.bucket_shift))
 
 
 def quantize_blocks_(values: torch.Tensor, table: torch.Tensor, codes: torch.Tensor,
                      absmax: torch.Tensor, scratch: CodeScratch, *,
                      nonnegative: bool = False) -> None:
-    """Quantize equal blocks in place of given outputs: the allocation-free core of
+    """Quantize equal blocks into given outputs: the allocation-free core of
     :func:`quantize_blockwise`, for loops over chunks.
 
     Args:
-        values: contiguous fp32 ``[blocks, width]``, one block per row (left unchanged).
+        values: fp32 ``[blocks, width]``, one block per row (left unchanged).
         table: the map's :func:`code_table`.
         codes: contiguous uint8 output of ``values.numel()`` elements.
         absmax: fp32 output of ``blocks`` elements.
-        scratch: buffers of at least ``values.numel()`` elements.
+        scratch: buffers of ``values``' shape.
         nonnegative: the caller guarantees no value is negative or -0 (Adam's second moment):
             skips two integer passes, same codes.
     """
-    n = values.numel()
-    floats = scratch.floats[:n].view(values.shape)
+    floats = scratch.floats
     torch.amax(values if nonnegative else torch.abs(values, out=floats), dim=1, out=absmax)
     torch.div(values, absmax.clamp_min(_TINIEST)[:, None], out=floats)
-    _nearest_codes_into(floats.view(-1), table, codes, scratch, nonnegative)
+    _nearest_codes_into(table, codes, scratch, nonnegative)
 
 
 def _blockwise(numel: int, block_size: int) -> list[tuple[slice, slice, int]]:
@@ -260,10 +269,11 @@ def quantize_blockwise(
     flat = values.reshape(-1).float().contiguous()
     codes = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
     absmax = torch.empty(num_blocks(flat.numel(), block_size), device=flat.device)
-    scratch, table = CodeScratch.empty(flat.numel(), flat.device), code_table(qmap)
+    scratch, table = CodeScratch.empty(flat.numel(), 1, flat.device), code_table(qmap)
     for elements, blocks, width in _blockwise(flat.numel(), block_size):
-        quantize_blocks_(flat[elements].view(-1, width), table, codes[elements], absmax[blocks],
-                         scratch)
+        rows = blocks.stop - blocks.start
+        quantize_blocks_(flat[elements].view(rows, width), table, codes[elements],
+                         absmax[blocks], scratch.head(rows, width))
     return codes, absmax
 
 
@@ -288,10 +298,11 @@ def nearest_codes(scaled: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
     Returns:
         uint8 codes shaped like ``scaled``.
     """
-    flat = scaled.reshape(-1).float().contiguous()
-    codes = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
-    _nearest_codes_into(flat, code_table(qmap), codes, CodeScratch.empty(flat.numel(), flat.device), False)
-    return codes.view(scaled.shape)
+    scratch = CodeScratch.empty(1, scaled.numel(), scaled.device)
+    scratch.floats.view(scaled.shape).copy_(scaled)
+    codes = torch.empty(scaled.shape, dtype=torch.uint8, device=scaled.device)
+    _nearest_codes_into(code_table(qmap), codes.view(-1), scratch, False)
+    return codes
 
 
 def dequantize_blocks_(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor,
@@ -304,9 +315,9 @@ def dequantize_blocks_(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Te
         absmax: fp32 scales, one per row of ``out``.
         qmap: the map the codes index.
         out: contiguous fp32 ``[blocks, width]`` output, one block per row.
-        scratch: buffers of at least ``out.numel()`` elements.
+        scratch: buffers of ``out``'s shape.
     """
-    index = scratch.index[: out.numel()]
+    index = scratch.index
     index.copy_(codes)
     torch.index_select(qmap, 0, index, out=out.view(-1))
     out.mul_(absmax[:, None])
@@ -332,8 +343,9 @@ def dequantize_blockwise(
             f"{num_blocks(codes.numel(), block_size)} scales, got {absmax.numel()}"
         )
     out = torch.empty(codes.numel(), dtype=torch.float32, device=codes.device)
-    scratch = CodeScratch.empty(codes.numel(), codes.device)
+    scratch = CodeScratch.empty(codes.numel(), 1, codes.device)
     for elements, blocks, width in _blockwise(codes.numel(), block_size):
-        dequantize_blocks_(codes[elements], absmax[blocks], qmap, out[elements].view(-1, width),
-                           scratch)
+        rows = blocks.stop - blocks.start
+        dequantize_blocks_(codes[elements], absmax[blocks], qmap, out[elements].view(rows, width),
+                           scratch.head(rows, width))
     return out
