@@ -113,10 +113,15 @@ class DBuffer:
                                      hint="call all_gather() first")
         self._grad: FlatBuffer | None = None
         self._sharded_grad: FlatBuffer | None = None
+        self._grad_stash: FlatBuffer | None = None
         if self.trainable:
             self._grad = FlatBuffer(self.world_size * S, self.compute_dtype, self.device,
                                     "unsharded gradient buffer", allocated=False,
                                     hint="call grad_view() or grad_buffer first")
+            if self.reduce_dtype != self.compute_dtype:
+                self._grad_stash = FlatBuffer(self.world_size * S, self.reduce_dtype, self.device,
+                                              "gradient stash", allocated=False,
+                                              hint="call stash_grad() first")
             self._sharded_grad = FlatBuffer(S, dtype, self.device, "sharded gradient buffer",
                                             allocated=False, hint="call reduce_scatter() first")
         self._views: dict[tuple[str, str], torch.Tensor] = {}
@@ -560,7 +565,13 @@ class DBuffer:
         factor = 1.0 / ranks if op == "avg" else 1.0
         pre, post = (factor, 1.0) if predivide else (1.0, factor)
 
-        if self.reduce_dtype == self.compute_dtype:
+        stash = self._grad_stash
+        if stash is not None and stash.allocated:
+            kernels.add_(stash.tensor, grad.tensor)
+            full = stash.tensor
+            if pre != 1.0:
+                kernels.scale_(full, pre)
+        elif self.reduce_dtype == self.compute_dtype:
             full = grad.tensor
             if pre != 1.0:  # scaled in place: the unsharded gradients are consumed anyway
                 kernels.scale_(full, pre)
@@ -587,6 +598,8 @@ class DBuffer:
                     kernels.add_(sharded_grad.tensor, out, post)
                 else:
                     kernels.copy_cast_(sharded_grad.tensor, out, post)
+                if stash is not None:
+                    stash.free()
 
         if async_op:
             return CollectiveHandle(work, finish)
@@ -639,14 +652,44 @@ class DBuffer:
         sharded_grad.check("sharded_grad_buffer", "call reduce_scatter() first")
         return sharded_grad.tensor
 
+    def stash_grad(self) -> None:
+        """Move the unsharded gradients into a stash kept in ``reduce_dtype`` and free the
+        gradient buffer: gradient accumulation without a reduction keeps its sums at the
+        reduction's precision (FSDP2 does the same), not at ``compute_dtype``'s. One fused
+        cast-add per call; the next :meth:`reduce_scatter` reduces stash plus gradients.
+        Without a wider ``reduce_dtype`` the gradient buffer itself accumulates and this is
+        a no-op.
+
+        Raises:
+            ValueError: when every tensor is frozen.
+        """
+        grad, _ = self._require_grad_buffers()
+        if self._grad_stash is None or not grad.allocated:
+            return
+        self._fold_replaced_grads()
+        if self._grad_stash.allocate():
+            kernels.zero_(self._grad_stash.tensor)
+        kernels.add_(self._grad_stash.tensor, grad.tensor)
+        self._release_grad()
+
+    @property
+    def has_grad_stash(self) -> bool:
+        """Whether :meth:`stash_grad` holds gradients not reduced yet."""
+        return self._grad_stash is not None and self._grad_stash.allocated
+
     def free_grad(self) -> None:
-        """Release the unsharded gradient memory (storage resized to 0 in place); the next
-        :meth:`grad_view` re-allocates it zero-filled.
+        """Release the unsharded gradient memory (storage resized to 0 in place) and drop
+        any :meth:`stash_grad` stash; the next :meth:`grad_view` re-allocates it zero-filled.
 
         An unsharded view DBuffer handed out whose ``.grad`` is its gradient view gets
         ``.grad = None`` (``zero_grad(set_to_none=True)``), so the next backward puts a new
         gradient there (folded by the next :meth:`reduce_scatter`) instead of writing into
         freed memory."""
+        self._release_grad()
+        if self._grad_stash is not None:
+            self._grad_stash.free()
+
+    def _release_grad(self) -> None:
         if self._grad is None:
             return
         for name in self.trainable:
