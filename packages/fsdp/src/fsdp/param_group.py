@@ -104,12 +104,14 @@ class ManagedParam:
             param.grad = self.buffer.grad_view(self.name)
             self.armed = True
 
-    def disarm_grad(self) -> None:
-        """Forget the unsharded gradient (its buffer is about to be freed)."""
+    def disarm_grad(self, *, reduced: bool) -> None:
+        """Let go of the gradient buffer's view (its memory is about to be freed); after a
+        reduction also forget that a gradient arrived."""
         if self.unsharded is not None:
             self.unsharded.grad = None
         self.armed = False
-        self.got_grad = False
+        if reduced:
+            self.got_grad = False
 
 
 @dataclass
@@ -251,6 +253,8 @@ class FSDPParamGroup:
             return None
         self.training_state = TrainingState.POST_BACKWARD
         if not self.config.reduce_grads or not self.backward_armed:
+            if self.backward_armed:
+                self._stash_grads()
             if self.config.reshard_after_backward:
                 self.reshard()
             return None
@@ -266,6 +270,15 @@ class FSDPParamGroup:
         if self.config.reshard_after_backward:
             self.reshard()
         return pending
+
+    def _stash_grads(self) -> None:
+        """Without gradient sync, keep the accumulated gradients in ``reduce_dtype`` when it
+        is wider than the compute dtype (as FSDP2 does), in DBuffer's stash."""
+        for buffer in self.trainable_buffers:
+            if buffer.reduce_dtype != buffer.compute_dtype and buffer.has_grad:
+                for p in self._params_of(buffer):
+                    p.disarm_grad(reduced=False)
+                buffer.stash_grad()
 
     def _params_of(self, buffer: DBuffer) -> Iterator[ManagedParam]:
         return (p for p in self.params if p.buffer is buffer)
@@ -301,7 +314,7 @@ class FSDPParamGroup:
                 continue
             keep = p.got_grad or self.config.reduce_scatter_unused_params or p.sharded.grad is not None
             p.sharded.grad = p.buffer.sharded_grad(p.name) if keep else None
-            p.disarm_grad()
+            p.disarm_grad(reduced=True)
         for buffer in self.trainable_buffers:
             buffer.free_grad()
 
@@ -346,7 +359,7 @@ class FSDPParamGroup:
         self.reshard()
         for p in self.params:
             if p.trainable:
-                p.disarm_grad()
+                p.disarm_grad(reduced=True)
         for buffer in self.trainable_buffers:
             buffer.free_grad()
 
