@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._op_schema import OpInfo
-from torch.utils._pytree import tree_flatten
 
 from ragged_dtensor.placement import is_ragged
 
@@ -39,8 +38,21 @@ Handler = Callable[[torch._ops.OpOverload, tuple[object, ...], dict[str, object]
 
 
 def has_ragged_arg(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
-    """Whether any DTensor among ``args``/``kwargs`` (lists included) carries a RaggedShard."""
-    return any(is_ragged(leaf) for leaf in tree_flatten((args, kwargs))[0])
+    """Whether any DTensor among ``args``/``kwargs`` (or in a list there) carries a RaggedShard.
+
+    An aten op's tensors sit at most one list deep, so two loops do what a pytree flatten
+    would, several times faster: this check runs in front of torch's own handlers on every
+    call of theirs.
+    """
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, DTensor):
+            if is_ragged(arg._spec):
+                return True
+        elif isinstance(arg, (list, tuple)):
+            for item in arg:
+                if isinstance(item, DTensor) and is_ragged(item._spec):
+                    return True
+    return False
 
 
 @dataclass(frozen=True)
