@@ -123,6 +123,18 @@ class Collectives:
         }
 
 
+def consensus_flag_numel() -> int:
+    """Elements of ``ragged_dtensor.raise_on_any_rank``'s happy-path all-reduce: the size of the
+    optimizers' non-finite consensus when no all-to-all carries the status (measured, so the
+    collective-count tests follow the consensus helper's own flag layout)."""
+    from ragged_dtensor import raise_on_any_rank
+
+    with CallCounter() as calls:
+        raise_on_any_rank(None)
+    (numel,) = calls.numels["all_reduce"]
+    return numel
+
+
 def make_optimizer(
     optimizer: str,
     names: Sequence[str],

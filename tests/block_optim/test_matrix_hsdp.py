@@ -16,6 +16,7 @@ import torch
 from tests.block_optim.matrix_cases import (
     ShardedRun,
     assemble_replicas,
+    consensus_flag_numel,
     non_finite_case,
     step_sharded,
     step_sharded_many,
@@ -55,8 +56,12 @@ def draw(names: list[str], seed: int, steps: int) -> tuple[list[torch.Tensor], l
     return fulls, grads
 
 
-def run_of(optimizer: str, names: list[str], fulls: list[torch.Tensor], kwargs: dict[str, Any]) -> ShardedRun:
-    return ShardedRun(optimizer, SHARDS, names, fulls, [LAYOUTS[n] for n in names], kwargs, replicas=REPLICAS)
+def run_of(optimizer: str, names: list[str], fulls: list[torch.Tensor], kwargs: dict[str, Any],
+           replicas: int = REPLICAS) -> ShardedRun:
+    # Prefixed names: the misalignment warnings are once per process and name, and the rank
+    # pools are shared with the 1-D tests, which count theirs.
+    return ShardedRun(optimizer, SHARDS, [f"hsdp.{n}" for n in names], fulls, [LAYOUTS[n] for n in names],
+                      kwargs, replicas=replicas)
 
 
 def check_replicas(results: list[dict[str, Any]], names: list[str], expected: list[torch.Tensor]) -> None:
@@ -92,6 +97,7 @@ def test_hsdp_collectives_per_step(ranks, optimizer: str) -> None:
         cases.append((run_of(optimizer, whole, whole_fulls, {**KWARGS[optimizer], "sync_nonfinite_check": False}),
                       whole_grads))
     results = ranks.run(RANKS, step_sharded_many, cases)
+    flag = ranks.run(RANKS, consensus_flag_numel)[0]
     for rank_results in results:
         for counts in rank_results[0]["counts"]:
             assert counts["calls"] == {"all_to_all_single": 2, "all_reduce": 1}, counts
@@ -99,8 +105,7 @@ def test_hsdp_collectives_per_step(ranks, optimizer: str) -> None:
             assert counts["comm"] == {"c10d.alltoall_base_": 2, "c10d.allreduce_": 1}, counts
         for counts in rank_results[1]["counts"]:
             # the replicas' 1-element status, then raise_on_any_rank's flags on the shard dim
-            assert counts["calls"] == {"all_reduce": 2}, counts
-            assert counts["numels"]["all_reduce"][0] == 1 and counts["numels"]["all_reduce"][1] <= 3, counts
+            assert counts["calls"] == {"all_reduce": 2} and counts["numels"] == {"all_reduce": [1, flag]}, counts
             assert counts["comm"] == {"c10d.allreduce_": 2}, counts
         if optimizer == "Muon":
             assert all(c == {"calls": {}, "numels": {}, "comm": {}} for c in rank_results[2]["counts"])
@@ -148,5 +153,29 @@ def test_state_and_exchange_wrap_local_runs_without_from_local(ranks, optimizer:
     # State init, the owner exchange and the gather of a Shard(1) parameter wrap memory they
     # hold with ragged_dtensor.from_local_run (on the 1-D mesh of the shard dimension).
     fulls, grads = draw(NAMES, 8, 1)
-    run = ShardedRun(optimizer, SHARDS, NAMES, fulls, [LAYOUTS[n] for n in NAMES], KWARGS[optimizer])
+    run = run_of(optimizer, NAMES, fulls, KWARGS[optimizer], replicas=1)
     assert ranks.run(SHARDS, no_from_local_case, run, grads) == [[]] * SHARDS
+
+
+def two_sharded_dims_case(optimizer: str) -> str:
+    """A RaggedShard beside a second sharded mesh dimension: a named error on this rank."""
+    from ragged_dtensor import RaggedShard, from_local_run
+    from torch.distributed.tensor import Shard
+
+    from tests.block_optim.matrix_cases import OPTIMIZERS
+    from tests.harness import device_mesh
+
+    mesh = device_mesh(REPLICAS, SHARDS)
+    placements = [Shard(0), RaggedShard((0,), (2, 2))]
+    # (not an nn.Parameter: ragged-dtensor refuses to alias such a run, even by detach)
+    param = from_local_run(torch.zeros(8), mesh, placements, (4, 4))
+    param.grad = from_local_run(torch.ones(8), mesh, placements, (4, 4))
+    with pytest.raises(NotImplementedError) as info:
+        OPTIMIZERS[optimizer]([("w2d", param)]).step()
+    return str(info.value)
+
+
+def test_ragged_beside_a_second_sharded_dim_raises_on_every_rank(ranks) -> None:
+    for optimizer in ("Muon", "Shampoo"):
+        messages = ranks.run(RANKS, two_sharded_dims_case, optimizer)
+        assert all("parameter 'w2d'" in m and "at most one sharded mesh dimension" in m for m in messages)

@@ -11,6 +11,7 @@ from tests.block_optim.matrix_cases import (
     ShardedRun,
     assemble,
     checkpoint_case,
+    consensus_flag_numel,
     non_finite_case,
     step_sharded,
     step_sharded_many,
@@ -103,7 +104,7 @@ def test_collectives_per_step(ranks) -> None:
         assert counts["calls"] == {"all_to_all_single": 2}, counts
         assert counts["comm"] == {"c10d.alltoall_base_": 2, "c10d_functional.all_gather_into_tensor": 1}, counts
     # Only 3-D stacks, every expert whole on one rank (one rank holds none): no all-to-all;
-    # by default one 1-element all-reduce agrees on the non-finite check, and with
+    # by default one small flag all-reduce agrees on the non-finite check, and with
     # sync_nonfinite_check=False nothing at all is issued.
     stacks = {"a": (6, 10, 8), "b": (3, 4, 4)}
     stack_layouts = [("ragged", 1, (4, 0, 2)), ("ragged", 1, (1, 1, 1))]
@@ -116,8 +117,9 @@ def test_collectives_per_step(ranks) -> None:
         (ShardedRun("Muon", world, list(stacks), stack_fulls, stack_layouts, KWARGS), stack_grads),
         (ShardedRun("Muon", world, list(stacks), stack_fulls, stack_layouts, unsynced), stack_grads),
     ])
+    flag = ranks.run(world, consensus_flag_numel)[0]
     for counts in results[0][0]["counts"]:
-        assert counts["calls"] == {"all_reduce": 1} and counts["numels"] == {"all_reduce": [1]}, counts
+        assert counts["calls"] == {"all_reduce": 1} and counts["numels"] == {"all_reduce": [flag]}, counts
         assert counts["comm"] == {"c10d.allreduce_": 1}, counts
     for counts in results[0][1]["counts"]:
         assert counts == {"calls": {}, "numels": {}, "comm": {}}, counts

@@ -11,6 +11,7 @@ from tests.block_optim.matrix_cases import (
     ShardedRun,
     assemble,
     checkpoint_case,
+    consensus_flag_numel,
     non_finite_case,
     step_sharded,
     step_sharded_many,
@@ -68,8 +69,9 @@ def test_aligned_bands_need_no_all_to_all(ranks) -> None:
     grads = [[torch.randn(s, generator=gen) for s in shapes.values()] for _ in range(3)]
     results = ranks.run(3, step_sharded, ShardedRun("Shampoo", 3, list(shapes), fulls, layouts, KWARGS), grads)
     expected = step_single("Shampoo", list(shapes), fulls, grads, KWARGS)
+    flag = ranks.run(3, consensus_flag_numel)[0]
     for counts in results[0]["counts"]:  # no all-to-all; the non-finite consensus flag only
-        assert counts["calls"] == {"all_reduce": 1} and counts["numels"] == {"all_reduce": [1]}, counts
+        assert counts["calls"] == {"all_reduce": 1} and counts["numels"] == {"all_reduce": [flag]}, counts
         assert counts["comm"] == {"c10d.allreduce_": 1}, counts
     for i, name in enumerate(shapes):
         assert torch.equal(assemble([r["locals"][i] for r in results], shapes[name], layouts[i]), expected[i])

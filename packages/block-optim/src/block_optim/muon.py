@@ -81,7 +81,7 @@ class Muon(MatrixOptimizer):
         adamw_eps: Its epsilon.
         adamw_weight_decay: Its decoupled weight decay.
         sync_nonfinite_check: When no matrix travels in a step (every matrix lies whole on
-            one rank), agree on the non-finite check with one 1-element all-reduce so every
+            one rank), agree on the non-finite check with one small flag all-reduce so every
             rank raises (default). ``False`` skips it: such a step issues no collective at
             all, but a non-finite input raises only on the rank that found it, and its peers,
             having applied the step, block in their next collective until it times out.

@@ -86,7 +86,7 @@ def run_on_owners(
         replica_groups: Process groups of the parameters' other (replicate) mesh dimensions;
             the status is agreed over them too, with one 1-element all-reduce each.
         sync_nonfinite_check: When no all-to-all runs (nothing cut or replicated), agree on
-            the status with one 1-element all-reduce. ``False`` skips it and the replica
+            the status with one flag all-reduce. ``False`` skips it and the replica
             all-reduces: a step may then issue no collective, and a non-finite input raises
             only on the ranks that found it (its row of ``mesh`` when matrices travel).
 
