@@ -5,18 +5,24 @@ commit of the installed torch (``python -c 'import torch; print(torch.version.gi
 
     git -C pytorch archive <commit> test/distributed/_composable/fsdp | tar -x -C /tmp/fsdp2_tests
 
-then run, from the repository root::
+then run, from the repository root, the baseline on torch's own FSDP2 and fsdp against it::
 
-    hatch run python tools/fsdp2_conformance.py /tmp/fsdp2_tests/test/distributed/_composable/fsdp
+    T=/tmp/fsdp2_tests/test/distributed/_composable/fsdp
+    hatch run python tools/fsdp2_conformance.py $T --impl torch --ungate
+    hatch run python tools/fsdp2_conformance.py $T --ungate \
+        --baseline benchmarks/results/fsdp2_conformance_baseline.json
 
 Each test file runs under pytest in a subprocess with ``tools/fsdp2_shim`` first on
 ``PYTHONPATH``: its ``sitecustomize`` rebinds ``torch.distributed.fsdp.fully_shard``,
 ``FSDPModule``, ``UnshardHandle`` and ``register_fsdp_forward_method`` to fsdp's in the
-pytest process and in every rank it spawns (``--impl torch`` runs the same files on torch's
-own FSDP2: the baseline). Per test it prints pass / fail / skip; failures listed in
-``EXCLUSIONS`` (tests of FSDP2's own placement, padding or private classes, and features
-fsdp rejects by design) print as ``excluded`` with the reason, anything else as ``FAIL``.
-Results go to ``benchmarks/results/fsdp2_conformance.json``.
+pytest process and in every rank it spawns (``--impl torch`` leaves torch's in place).
+``--ungate`` lifts ``skip_if_lt_x_gpu`` for the in-process (``FSDPTestMultiThread``) tests,
+and ``--baseline`` counts only the tests that pass on torch's own FSDP2 in this
+environment: those are the CPU-capable ones, the conformance suite. Per test it prints
+pass / fail / skip; failures listed in ``EXCLUSIONS`` (tests of FSDP2's own placement,
+padding or private classes, and features fsdp rejects by design) print as ``excluded``
+with the reason, anything else as ``fail``. Results go to
+``benchmarks/results/fsdp2_conformance.json`` (``..._baseline.json`` for ``--impl torch``).
 
 torch's test utilities import ``expecttest``; where the environment lacks it, install it
 outside the project (``pip install --target /tmp/fsdp2_deps expecttest``) and pass
@@ -29,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,7 +46,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIM_DIR = Path(__file__).resolve().parent / "fsdp2_shim"
-DEFAULT_JSON = ROOT / "benchmarks" / "results" / "fsdp2_conformance.json"
+RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_JSON = {"fsdp": RESULTS / "fsdp2_conformance.json",
+                "torch": RESULTS / "fsdp2_conformance_baseline.json"}
 
 
 @dataclass(frozen=True)
@@ -136,12 +145,17 @@ def run_file(path: Path, impl: str, deps: list[str], timeout: float,
         cmd = [sys.executable, "-m", "pytest", str(path), "-q", "-p", "fsdp2_compat",
                "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", str(path.parent),
                "-o", "junit_logging=all", f"--junitxml={report}"]
+        # A session of its own, so a timeout also ends the rank processes pytest spawned.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            _, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             return [], f"not run: timed out after {timeout:.0f} s"
         if not report.exists():
-            return [], f"pytest exited {proc.returncode} without a report: {_first_line(proc.stderr)}"
+            return [], f"pytest exited {proc.returncode} without a report: {_first_line(stderr)}"
         return _parse_report(report, path.name, impl), f"pytest exit {proc.returncode}"
 
 
@@ -196,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=Path,
                         help="JSON of a --impl torch run: conformance counts only tests that "
                              "pass there (the CPU-capable ones)")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--json", type=Path, help="where to write the results (default: "
+                        "benchmarks/results/fsdp2_conformance[_baseline].json)")
     args = parser.parse_args(argv)
     baseline = ({f"{t['file']}::{t['test']}": t["status"]
                  for t in json.loads(args.baseline.read_text())["tests"]}
@@ -227,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     print("counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     import torch
 
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
+    out = args.json or DEFAULT_JSON[args.impl]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
         "impl": args.impl,
         "torch": torch.__version__,
         "torch_git_version": torch.version.git_version,
