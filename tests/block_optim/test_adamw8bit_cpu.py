@@ -24,7 +24,8 @@ BLOCK = 256
 SIGNED, UNSIGNED = dynamic_map(True), dynamic_map(False)
 
 
-def _reference_quantize(values: torch.Tensor, qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference_quantize(values: torch.Tensor,
+                        qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     absmax = torch.stack([block.abs().amax() for block in values.split(BLOCK)])
     scale = torch.where(absmax > 0, absmax, 1.0).repeat_interleave(BLOCK)[: values.numel()]
     codes = torch.bucketize(values / scale, code_midpoints(qmap))

@@ -182,6 +182,9 @@ def code_table(qmap: torch.Tensor) -> torch.Tensor:
 
     Returns:
         int32 tensor of 65536 entries on ``qmap``'s device (shared: do not modify).
+
+    Raises:
+        ValueError: if two midpoints of ``qmap`` share a bucket.
     """
     return _code_table(tuple(qmap.tolist()), qmap.device)
 
@@ -192,7 +195,8 @@ def _code_table(qmap_values: tuple[float, ...], device: torch.device) -> torch.T
     keys = _order_keys(mids.view(torch.int32))
     bucket = keys >> _BUCKET_BITS
     if not bool((bucket[1:] > bucket[:-1]).all()):
-        raise AssertionError("two midpoints of the map share a 16-bit bucket")
+        raise ValueError("code_table: two midpoints of this map fall in one 16-bit bucket of "
+                         "fp32 order keys; the one-lookup nearest code needs at most one")
     width = 2**_BUCKET_BITS
     lowest = torch.arange(-(width // 2), width // 2, dtype=torch.int64) << _BUCKET_BITS
     below = torch.searchsorted(keys, lowest)
@@ -202,7 +206,8 @@ def _code_table(qmap_values: tuple[float, ...], device: torch.device) -> torch.T
     table = below * width + (width - 1 - threshold) - lowest
     # Buckets outside [-1, 1] (reached only by inf and NaN) clamped so that no int32 sum
     # overflows; their codes are arbitrary (such a block's scale is not finite).
-    table = torch.minimum(torch.maximum(table, -(2**31) - lowest), 2**31 - 1 - (width - 1) - lowest)
+    table = torch.minimum(torch.maximum(table, -(2**31) - lowest),
+                          2**31 - 1 - (width - 1) - lowest)
     return table.clamp(-(2**31), 2**31 - 1).to(torch.int32).to(device)
 
 
