@@ -15,6 +15,7 @@ parameters; each attention module holds a causal-mask buffer.
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -133,6 +134,11 @@ class RunSpec:
     shadow: bool = False
 
 
+SHAMPOO_ARGS: dict[str, Any] = {"max_preconditioner_dim": 64, "precondition_frequency": 2,
+                                "start_preconditioning_step": 2}
+"""Small blocks and early, frequent preconditioning, so that a few steps exercise them."""
+
+
 def make_optimizer(spec: RunSpec, params: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
     """The spec's optimizer over ``params`` (named, trainable)."""
     if spec.optimizer == "sgd":
@@ -150,10 +156,6 @@ def make_optimizer(spec: RunSpec, params: list[tuple[str, nn.Parameter]]) -> tor
     raise ValueError(f"unknown optimizer {spec.optimizer!r}")
 
 
-SHAMPOO_ARGS: dict[str, Any] = {"max_preconditioner_dim": 64, "precondition_frequency": 2,
-                                "start_preconditioning_step": 2}
-
-
 def unit_policy(optimizer: str) -> Callable[[str, torch.Tensor], int] | None:
     """The block-optim optimizer's unit policy for fsdp's planner (None for torch optimizers)."""
     if optimizer not in ("muon", "adamw8bit", "shampoo"):
@@ -161,8 +163,7 @@ def unit_policy(optimizer: str) -> Callable[[str, torch.Tensor], int] | None:
     from block_optim import AdamW8bit, Muon, Shampoo
 
     return {"muon": Muon.unit_policy(), "adamw8bit": AdamW8bit.unit_policy(),
-            "shampoo": Shampoo.unit_policy(SHAMPOO_ARGS["max_preconditioner_dim"])
-            }.get(optimizer)
+            "shampoo": Shampoo.unit_policy(SHAMPOO_ARGS["max_preconditioner_dim"])}[optimizer]
 
 
 def batches(spec: RunSpec) -> torch.Tensor:
@@ -212,9 +213,20 @@ def train(spec: RunSpec, impl: str | None) -> dict[str, Any]:
     Returns:
         ``losses`` (the full-batch mean loss of each step, averaged over ranks), ``norms``
         (``clip_grad_norm_``'s total norms), ``params`` (name -> whole final parameter, fp32),
-        and with ``spec.shadow`` ``shadow_params`` (the one-process optimizer's parameters
-        after being stepped on the same gathered gradients).
+        ``unit_warnings`` (block-optim's warnings that a rank cut splits one of its units, so
+        it redistributes around every step: they name ``unit_policy``), and with
+        ``spec.shadow`` ``shadow_params`` (the one-process optimizer's parameters after being
+        stepped on the same gathered gradients).
     """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _train(spec, impl)
+    out["unit_warnings"] = sorted({str(w.message) for w in caught
+                                   if "unit_policy" in str(w.message)})
+    return out
+
+
+def _train(spec: RunSpec, impl: str | None) -> dict[str, Any]:
     model = build_model()
     rank, world = (dist.get_rank(), dist.get_world_size()) if impl else (0, 1)
     shadow = build_model() if spec.shadow and rank == 0 else None

@@ -10,6 +10,9 @@ evenly and block-optim redistributes where a cut splits a unit. Two checks per r
   step, each rank gathers the sharded gradients and steps a one-process copy of the optimizer
   with them; after all steps the sharded parameters must be *bit-equal* (``torch.equal``) to
   that copy's (Muon with fp32 Newton-Schulz, Shampoo in fp32, AdamW8bit).
+* **The unit policy is honoured.** With fsdp no rank cut splits a unit, so block-optim never
+  warns that it must redistribute around the step; with FSDP2's even row split it does for
+  Shampoo blocks and 8-bit quantization blocks (Muon moves whole matrices either way).
 * **Training matches one process.** Against the one-process run on the full batch (its own
   forward and backward): losses and parameters no further than FSDP2's with the same
   optimizer at the same world size (``SLACK`` x its error + a float-noise floor).
@@ -46,6 +49,11 @@ def test_block_optimizer_parity(ranks, optimizer: str, world_size: int, impl: st
     got = sharded(ranks, spec, impl, world_size)
     for name, shadow in got["shadow_params"].items():
         assert torch.equal(got["params"][name], shadow), (name, optimizer)
+
+    if impl == "fsdp":
+        assert got["unit_warnings"] == []
+    elif optimizer != "muon":
+        assert got["unit_warnings"], optimizer
 
     ref = reference(spec)
     oracle = sharded(ranks, spec, "torch", world_size)
