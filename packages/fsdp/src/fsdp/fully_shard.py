@@ -210,7 +210,6 @@ class FSDPModule:
             The handle with ``async_op``, else ``None``.
         """
         state = self._get_fsdp_state()
-        state._lazy_init()
         for group in state.groups:
             group.unshard(async_op=True)
         handle = UnshardHandle([state])
