@@ -9,6 +9,7 @@ reduce-scatter run in place, with no copy-in and no copy-out.
 
 from fsdp.fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnitPolicy, row_unit
+from fsdp import checkpoint
 
 __all__ = [
     "CPUOffloadPolicy",
