@@ -56,6 +56,10 @@ def argminmax_case(units: tuple[int, ...]) -> int:
                 assert all(p.is_replicate() for p in got.placements), what
                 assert torch.equal(got.to_local(), want), (what, got.to_local(), want)
                 checks += 1
+    # a dtype one device refuses fails on every rank, the zero-unit one included
+    flags = ragged_from_full(mesh, torch.ones(9, 5, dtype=torch.bool), Layout(0, (9, 5), 1, units))
+    with pytest.raises(RuntimeError, match="bool"):
+        flags.argmax()
     return checks
 
 
@@ -102,18 +106,23 @@ def test_as_strided_aliases_itself_or_raises_everywhere(ranks, world: int) -> No
     assert all("full_tensor()" in m for m in messages)
 
 
-def grad_scaler_case(units: tuple[int, ...], inf_row: int) -> list[float]:
-    """SGD with a GradScaler over [Replicate bias, RaggedShard weight] (the first gradient is
-    the replicated one); step 1 puts an inf into the weight gradient at ``inf_row``, which only
-    one rank holds. Every step must equal the one-device run; returns the scales."""
+def grad_scaler_case(units: tuple[int, ...], inf_row: int, fused: bool) -> list[float]:
+    """SGD (or fused AdamW, which takes ``grad_scale``/``found_inf`` itself) with a GradScaler
+    over [Replicate bias, RaggedShard weight] (the first gradient is the replicated one); step
+    1 puts an inf into the weight gradient at ``inf_row``, which only one rank holds. Every
+    step must equal the one-device run; returns the scales."""
     mesh = device_mesh(dist.get_world_size())
     layout = Layout(0, (6, 4), 1, units)
     b_full, w_full = full_of(11, (4,)), full_of(12, (6, 4))
     params = [torch.nn.Parameter(torch_distribute_tensor(b_full.clone(), mesh, [Replicate()])),
               torch.nn.Parameter(ragged_from_full(mesh, w_full, layout))]
     reference = [torch.nn.Parameter(b_full.clone()), torch.nn.Parameter(w_full.clone())]
-    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(reference, lr=0.1, momentum=0.9)
+    def make(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        if fused:
+            return torch.optim.AdamW(ps, lr=0.1, fused=True)
+        return torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+
+    opt, ref_opt = make(params), make(reference)
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
     ref_scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
     scales = []
@@ -136,11 +145,12 @@ def grad_scaler_case(units: tuple[int, ...], inf_row: int) -> list[float]:
     return scales
 
 
+@pytest.mark.parametrize("fused", (False, True))
 @pytest.mark.parametrize("world", (2, 3))
-def test_grad_scaler_skips_on_every_rank(ranks, world: int) -> None:
+def test_grad_scaler_skips_on_every_rank(ranks, world: int, fused: bool) -> None:
     units = {2: (1, 2), 3: (1, 0, 2)}[world]
     # rows 2-5 belong to the last rank only: its inf must make every rank skip
-    scales = ranks.run(world, grad_scaler_case, units, 4)
+    scales = ranks.run(world, grad_scaler_case, units, 4, fused)
     assert scales == [[16.0, 8.0, 16.0]] * world
 
 

@@ -153,7 +153,8 @@ def _local_vector_norm(local: torch.Tensor, ord: float, dtype: torch.dtype | Non
     """``vector_norm`` of a local run; the ±inf-norms of an empty run give their identity."""
     if local.numel() == 0 and math.isinf(ord):
         out_dtype = dtype or local.abs().dtype
-        return torch.full((), 0.0 if ord > 0 else math.inf, dtype=out_dtype, device=local.device)
+        identity = reduction_identity("max" if ord > 0 else "min", out_dtype)
+        return torch.full((), identity, dtype=out_dtype, device=local.device)
     return torch.linalg.vector_norm(local, ord, dtype=dtype)
 
 
@@ -185,7 +186,9 @@ def vector_norm_handler(
             return out
     ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
     if math.isinf(ord):
-        return dispatch_with_identity(op_call, args, kwargs, lambda _: 0.0 if ord > 0 else math.inf)
+        reduce_op = "max" if ord > 0 else "min"
+        return dispatch_with_identity(op_call, args, kwargs,
+                                      lambda dtype: reduction_identity(reduce_op, dtype))
     return dispatch_default(op_call, args, kwargs)
 
 

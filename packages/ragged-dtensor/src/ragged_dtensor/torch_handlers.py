@@ -63,6 +63,9 @@ def argminmax_handler(
     if local.numel():
         value[0] = local.max() if largest else local.min()
         where[0], where[1] = 1, op_call(local) + start
+    else:
+        # a dtype the op refuses (bool) must fail here as on the ranks holding elements
+        op_call(torch.zeros(1, dtype=local.dtype, device=local.device))
     group = x.device_mesh.get_group(mesh_dim)
     world = dist.get_world_size(group)
     values = torch.empty(world, dtype=value.dtype, device=value.device)
