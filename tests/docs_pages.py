@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -23,3 +24,28 @@ def exec_source(source: str, name: str) -> bool:
     """Execute ``source`` in a fresh namespace (module-level, so rank pools can run it)."""
     exec(compile(source, name, "exec"), {"__name__": "__docs__"})  # noqa: S102 - our own docs
     return True
+
+
+#: First lines that mark a block as a distributed recipe, and the world size it runs on.
+DISTRIBUTED_MARKERS = {
+    "# distributed example: run on every rank": 2,
+    "# distributed example on 4 ranks: run on every rank": 4,
+}
+
+
+def run_page_blocks(page: str, ranks: Any) -> int:
+    """Run every block of ``docs/<page>`` in order: a block opening with a
+    :data:`DISTRIBUTED_MARKERS` line on every rank of a pool of that size, any other here.
+
+    Returns:
+        The number of blocks run.
+    """
+    blocks = python_blocks(page)
+    for index, code in enumerate(blocks):
+        name = f"{page}[{index}]"
+        world = next((w for marker, w in DISTRIBUTED_MARKERS.items() if code.startswith(marker)), 0)
+        if world:
+            assert ranks.run(world, exec_source, code, name) == [True] * world, name
+        else:
+            exec_source(code, name)
+    return len(blocks)

@@ -46,6 +46,13 @@ def _bad_inputs() -> dict[str, str]:
         fsdp.fully_shard(model, mesh=mesh)
         fsdp.fully_shard(model.layers[0], mesh=mesh)
 
+    def mixed_meta() -> None:
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+        with torch.device("meta"):
+            model[1] = nn.Linear(3, 3)
+        fsdp.fully_shard(model, mesh=mesh)
+
+    out["mixed_meta"] = _error_of(mixed_meta)
     out["shared"] = _error_of(shared_across_groups)
     out["top_down"] = _error_of(top_down)
     out["unit_zero"] = _error_of(lambda: fsdp.fully_shard(build_model(), mesh=mesh,
@@ -66,6 +73,7 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(ranks):
     out = results[0]
     assert "shared with the group of Block" in out["shared"] and "fully_shard([" in out["shared"]
     assert "bottom-up" in out["top_down"]
+    assert "'1.weight' is on the meta device" in out["mixed_meta"]
     assert out["unit_zero"].startswith("ValueError") and "'pos'" in out["unit_zero"]
     assert "Shard(1)" in out["shard1"] and "unit_policy" in out["shard1"]
     assert out["int_reshard"].startswith("NotImplementedError")

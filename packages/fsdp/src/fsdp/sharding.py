@@ -139,8 +139,14 @@ def build_group(collected: list[Collected], mesh: DeviceMesh, device: torch.devi
         for plan in plan_buckets(specs, shard_size, align=_align((dtype, compute, reduce)),
                                  bucket_cost=cost):
             names = [e.name for e in plan.entries]
-            full = None if any(by_name[n].param.is_meta for n in names) else {
-                n: by_name[n].param for n in names}
+            meta = [n for n in names if by_name[n].param.is_meta]
+            if meta and len(meta) != len(names):
+                real = next(n for n in names if not by_name[n].param.is_meta)
+                raise ValueError(
+                    f"fully_shard: parameter {meta[0]!r} is on the meta device but {real!r} "
+                    f"is on {by_name[real].param.device}; a group is initialised either from "
+                    "real tensors or on the meta device (then to_empty() and init), not both")
+            full = None if meta else {n: by_name[n].param for n in names}
             buffer = make_buffer(plan, mesh, device=device, dtype=dtype, mp_policy=mp_policy,
                                  trainable=requires_grad, full_tensors=full)
             buffers.append(buffer)
