@@ -12,9 +12,13 @@ every round) so both see the same machine noise. Reported per mode:
 
 * step time: median over every measured step of every round, each step the slowest rank's
   wall time (a barrier starts each step);
-* peak RSS over baseline: per rank, ``VmHWM`` after the steps minus ``VmRSS`` right before
-  the model is built (the high-water mark is reset there through ``/proc/self/clear_refs``);
-  the largest rank is reported;
+* peak RSS over baseline: per rank, ``VmHWM`` over the measured steps minus ``VmRSS`` right
+  before the model is built (the high-water mark is reset through ``/proc/self/clear_refs``
+  after the warm-up steps, so it is the training peak: model, optimizer state, unsharded
+  parameters, gradients and activations; the one-time peak of construction and warm-up is
+  reported apart). A forward/backward of an unsharded replica runs before the baseline, so
+  kernels and modules torch loads lazily are not charged to either system; the largest rank
+  is reported;
 * bytes copied by the system's machinery: the copy ops (``dbuffer.profiling``: ``copy_``,
   ``_foreach_copy_``, ``split_with_sizes_copy``, ``chunk_cat``, ``cat`` into ``out=``, casts)
   that one profiled step issues on rank 0 outside the communication backend, minus those of
@@ -180,6 +184,8 @@ def measure_system(system: str, compute: torch.dtype | None, cfg: ModelConfig, s
     gen = torch.Generator().manual_seed(1000 + rank)
     batches = torch.randint(cfg.vocab, (warmup + steps + 1, cfg.batch_per_rank, cfg.seq + 1),
                             generator=gen)
+    replica = Llama(cfg).to(compute or torch.float32)
+    _loss(replica, batches[-1], cfg.vocab).backward()  # lazy loads happen here, for both
     dist.barrier()
     baseline = _status_kib("VmRSS")
     _reset_peak_rss()
@@ -206,16 +212,21 @@ def measure_system(system: str, compute: torch.dtype | None, cfg: ModelConfig, s
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if i >= warmup:
             times.append(float(elapsed) * 1e3)
+        if i == warmup - 1:
+            setup_peak = _status_kib("VmHWM") - baseline
+            _reset_peak_rss()
     peaks = [None] * WORLD_SIZE
     dist.all_gather_object(peaks, (_status_kib("VmHWM") - baseline) * 1024)
+    setup_peaks = [None] * WORLD_SIZE
+    dist.all_gather_object(setup_peaks, setup_peak * 1024)
 
     if system == "fsdp2":
         _scope_fsdp2_collectives(model)
     copied, by_scope = _issued_bytes(lambda: step(batches[-1]))
-    # the model's own copies: the same forward/backward on an unsharded replica
-    replica = Llama(cfg).to(compute or torch.float32)
+    # the model's own copies: the same forward/backward on the unsharded replica
     own, _ = _issued_bytes(lambda: _loss(replica, batches[-1], cfg.vocab).backward())
     return {"step_ms": times, "peak_rss_over_baseline_bytes": peaks,
+            "setup_peak_rss_over_baseline_bytes": setup_peaks,
             "copy_bytes_per_step": copied - own, "copy_bytes_total": copied,
             "copy_bytes_model_only": own,
             "copy_bytes_by_scope": dict(sorted(by_scope.items(), key=lambda kv: -kv[1])[:12])}
@@ -241,6 +252,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "peak_rss_over_baseline_bytes": max(max(res["peak_rss_over_baseline_bytes"])
                                                     for res in results),
                 "peak_rss_over_baseline_bytes_per_rank": results[-1]["peak_rss_over_baseline_bytes"],
+                "setup_peak_rss_over_baseline_bytes": max(
+                    max(res["setup_peak_rss_over_baseline_bytes"]) for res in results),
                 "copy_bytes_per_step": results[-1]["copy_bytes_per_step"],
                 "copy_bytes_total": results[-1]["copy_bytes_total"],
                 "copy_bytes_model_only": results[-1]["copy_bytes_model_only"],
@@ -269,6 +282,8 @@ def main() -> None:
                         "the real figures on a quiet machine")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.warmup < 1:
+        parser.error("--warmup must be >= 1 (the training peak is measured after it)")
 
     report = run(args)
     result = {
@@ -283,12 +298,14 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    print(f"{'mode':26s} {'system':6s} {'step ms':>8s} {'peak MB':>8s} {'copy MB':>8s}")
+    print(f"{'mode':26s} {'system':6s} {'step ms':>8s} {'peak MB':>8s} {'setup MB':>8s} "
+          f"{'copy MB':>8s}")
     for mode, entry in report.items():
         for system in args.systems:
             e = entry[system]
             print(f"{mode:26s} {system:6s} {e['median_step_ms']:8.1f} "
                   f"{e['peak_rss_over_baseline_bytes'] / 2**20:8.1f} "
+                  f"{e['setup_peak_rss_over_baseline_bytes'] / 2**20:8.1f} "
                   f"{e['copy_bytes_per_step'] / 2**20:8.2f}")
         if "ratios_ours_over_fsdp2" in entry:
             r = entry["ratios_ours_over_fsdp2"]
