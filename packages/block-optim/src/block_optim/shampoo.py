@@ -113,10 +113,14 @@ class Shampoo(MatrixOptimizer):
     def _stash_preconditioners(optimizer: Shampoo, state_dict: dict[str, Any]) -> None:
         """``load_state_dict`` casts every floating state tensor to its parameter's dtype;
         statistics kept in float64 (``preconditioner_dtype``) must not lose precision, so they
-        bypass the cast."""
+        bypass the cast. States are keyed by the saved groups' ``params`` entries (indices from
+        ``state_dict()``, names from ``torch.distributed.checkpoint.state_dict``); the position
+        of the key there is the parameter's position."""
+        position = {key: i for i, key in enumerate(
+            key for group in state_dict["param_groups"] for key in group["params"])}
         optimizer._loading = {
-            index: state["preconditioners"]
-            for index, state in state_dict["state"].items()
+            position[key]: state["preconditioners"]
+            for key, state in state_dict["state"].items()
             if "preconditioners" in state
         }
 

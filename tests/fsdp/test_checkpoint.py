@@ -1,0 +1,148 @@
+"""``fsdp.checkpoint``: resume exactness across world sizes, unit policies and FSDP2.
+
+Every case trains :class:`tests.fsdp.models.TinyDecoder` on gloo ranks with the same loop:
+``STEPS`` uninterrupted steps at world size ``SAVE_WORLD`` (the reference), and the same run cut
+in two: ``CUT`` steps at ``SAVE_WORLD``, ``fsdp.checkpoint.save``, then a fresh model at world
+size ``k`` that ``fsdp.checkpoint.load``\\ s and trains the remaining steps. Two checks:
+
+* **The checkpoint is exact.** Right after ``load`` the full parameters and the full
+  optimizer state (AdamW moments and step, Muon momentum, Shampoo statistics, AdamW8bit codes
+  and scales) are bit-equal to those the saving run held at the cut, at every ``k`` and under
+  another unit policy (so another plan).
+* **Training resumes as if uninterrupted.** At ``k == SAVE_WORLD`` the resumed losses are
+  bit-equal to the reference's; at other ``k`` the gradient sums run in another order, so the
+  losses may drift from the reference, but no further than FSDP2's own save/resume does in the
+  same test (``SLACK`` x FSDP2's error + ``LOSS_ABS``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map_only
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+from tests.fsdp import models
+from tests.fsdp.models import RunSpec
+
+SAVE_WORLD, CUT, STEPS = 4, 2, 4
+TIMEOUT_S = 300.0
+SLACK, LOSS_ABS = 2.0, 1e-5
+
+
+def _shard(model: nn.Module, impl: str, policy: str | None) -> None:
+    """Each block, then the root; fsdp plans with ``policy``'s unit policy (None: rows)."""
+    from tests.harness import device_mesh
+
+    api = models.import_fsdp(impl)
+    kwargs: dict[str, Any] = {"mesh": device_mesh(dist.get_world_size())}
+    if impl == "fsdp" and policy is not None:
+        kwargs["unit_policy"] = models.unit_policy(policy)
+    for layer in model.layers:
+        api.fully_shard(layer, **kwargs)
+    api.fully_shard(model, **kwargs)
+
+
+def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Full parameters and full optimizer state as plain tensors (a collective), cloned (the
+    state dict shares unsharded tensors such as AdamW's ``step`` with the optimizer). The
+    optimizer's states are gathered one by one: torch's full optimizer state dict cannot
+    hold Muon's ``ns_dtype`` (a ``torch.dtype``) in its param groups."""
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(
+        model, optimizer)["state"]}
+    return tree_map_only(torch.Tensor, lambda t: models.full(t).clone(), state)
+
+
+def session(spec: RunSpec, impl: str, policy: str | None, root: str | None,
+            first: int, last: int) -> dict[str, Any]:
+    """Train steps ``[first, last)`` on every rank; load from ``root`` first when ``first > 0``
+    and save there after when ``root`` is given and ``last < spec.steps``.
+
+    Returns (rank 0; ``None`` elsewhere): the losses, the snapshot right after loading
+    (``loaded``) or right before saving (``saved``).
+    """
+    from fsdp import checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = models.build_model()
+    _shard(model, impl, policy)
+    optimizer = models.make_optimizer(
+        spec, [(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    out: dict[str, Any] = {}
+    if first > 0:
+        step, extra = checkpoint.load(root, model, optimizer)
+        assert (step, extra) == (first, {"cut": first}), (step, extra)
+        out["loaded"] = _snapshot(model, optimizer)
+    per_rank = spec.global_batch // world
+    losses = []
+    for tokens in models.batches(spec)[first:last]:
+        mine = tokens[rank * per_rank:(rank + 1) * per_rank]
+        loss = models._loss(model, mine)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        losses.append(float(loss / world))
+    out["losses"] = losses
+    if root is not None and last < spec.steps:
+        out["saved"] = _snapshot(model, optimizer)
+        checkpoint.save(root, model, optimizer, step=last, extra={"cut": last})
+    return out if rank == 0 else None
+
+
+def _run(ranks, world: int, *args: Any) -> dict[str, Any]:
+    return ranks.run(world, session, *args, timeout=TIMEOUT_S)[0]
+
+
+def _assert_state_equal(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    """Bit-equal, dtypes included, through nested states (Shampoo's preconditioner lists)."""
+    torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+@functools.cache
+def _uninterrupted(ranks, optimizer: str, impl: str) -> list[float]:
+    spec = RunSpec(optimizer, steps=STEPS)
+    policy = optimizer if impl == "fsdp" else None
+    return _run(ranks, SAVE_WORLD, spec, impl, policy, None, 0, STEPS)["losses"]
+
+
+def _resume_error(ranks, tmp: Path, optimizer: str, impl: str, world: int,
+                  resume_policy: str | None) -> float:
+    """Save at ``SAVE_WORLD`` after ``CUT`` steps, resume at ``world``; the losses' largest
+    difference from the uninterrupted run, after asserting the loaded state is exact."""
+    spec = RunSpec(optimizer, steps=STEPS)
+    root = str(tmp / f"{impl}-{optimizer}-{world}-{resume_policy}")
+    policy = optimizer if impl == "fsdp" else None
+    first = _run(ranks, SAVE_WORLD, spec, impl, policy, root, 0, CUT)
+    resumed = _run(ranks, world, spec, impl, resume_policy, root, CUT, STEPS)
+    _assert_state_equal(resumed["loaded"], first["saved"], f"{impl} {optimizer} -> {world}")
+    reference = _uninterrupted(ranks, optimizer, impl)
+    assert first["losses"] == reference[:CUT]
+    return models.max_loss_error(resumed["losses"], reference[CUT:])
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "muon", "shampoo"])
+def test_resume_same_world_is_bit_exact(ranks, tmp_path: Path, optimizer: str) -> None:
+    assert _resume_error(ranks, tmp_path, optimizer, "fsdp", SAVE_WORLD, optimizer) == 0.0
+
+
+@pytest.mark.parametrize("world", [3, 2, 1])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_other_world_within_fsdp2(ranks, tmp_path: Path, optimizer: str,
+                                         world: int) -> None:
+    ours = _resume_error(ranks, tmp_path, optimizer, "fsdp", world, optimizer)
+    theirs = _resume_error(ranks, tmp_path, optimizer, "torch", world, None)
+    assert ours <= SLACK * theirs + LOSS_ABS, (ours, theirs)
+
+
+def test_resume_under_another_unit_policy(ranks, tmp_path: Path) -> None:
+    """Saved with rows as units, resumed with AdamW8bit's 256-element blocks as units."""
+    assert _resume_error(ranks, tmp_path, "adamw", "fsdp", SAVE_WORLD, "adamw8bit") == 0.0
