@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from tests.fsdp.models import SEQ, VOCAB, RunSpec, batches, build_model
-from tests.fsdp.test_parity import require
 from tests.harness import device_mesh
 
 WORLD_SIZES = (2, 3)
@@ -80,7 +79,6 @@ def _describe(t: torch.Tensor) -> dict[str, Any]:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_same_training_code_runs_on_fsdp(ranks, world_size: int) -> None:
-    require("fsdp")
     import fsdp
 
     assert fsdp.MixedPrecisionPolicy is torch.distributed.fsdp.MixedPrecisionPolicy

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from tests.docs_pages import python_blocks
-from tests.fsdp.test_parity import require
 
 PAGE = "fsdp-migration.md"
 
@@ -16,7 +15,6 @@ def _run_page(blocks: list[str]) -> int:
 
 
 def test_migration_page_runs_on_two_ranks(ranks) -> None:
-    require("fsdp")
     blocks = python_blocks(PAGE)
     assert len(blocks) == 4
     assert ranks.run(2, _run_page, blocks) == [len(blocks)] * 2

@@ -45,15 +45,6 @@ casts), so the error may be up to 1.5x FSDP2's, plus ``BF16_ABS``."""
 BF16_ABS = 1e-4
 
 
-def require(impl: str) -> None:
-    """Skip ``impl="fsdp"`` cases while ``fsdp.fully_shard`` does not exist yet."""
-    if impl == "fsdp":
-        import fsdp
-
-        if not hasattr(fsdp, "fully_shard"):
-            pytest.skip("fsdp.fully_shard is not implemented yet")
-
-
 @functools.cache
 def reference(spec: RunSpec) -> dict:
     """The one-process run on the full batch (fp32 even for a bf16 spec)."""
@@ -77,7 +68,6 @@ def sharded(ranks, spec: RunSpec, impl: str, world_size: int) -> dict:
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_sgd_momentum_fp32(ranks, world_size: int, impl: str) -> None:
-    require(impl)
     got, ref = sharded(ranks, SGD, impl, world_size), reference(SGD)
     assert max_loss_error(got["losses"], ref["losses"]) <= 1e-5
     assert max_param_error(got["params"], ref["params"]) <= 1e-5
@@ -86,7 +76,6 @@ def test_sgd_momentum_fp32(ranks, world_size: int, impl: str) -> None:
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_adamw_fp32(ranks, world_size: int, impl: str) -> None:
-    require(impl)
     got, ref = sharded(ranks, ADAMW, impl, world_size), reference(ADAMW)
     oracle = sharded(ranks, ADAMW, "torch", world_size)
     assert max_loss_error(got["losses"], ref["losses"]) <= 1e-5
@@ -99,7 +88,6 @@ def test_adamw_fp32(ranks, world_size: int, impl: str) -> None:
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_bf16_compute_fp32_reduce(ranks, world_size: int, impl: str) -> None:
-    require(impl)
     got, ref = sharded(ranks, BF16, impl, world_size), reference(BF16)
     oracle = sharded(ranks, BF16, "torch", world_size)
     for measure, key in ((max_loss_error, "losses"), (max_param_error, "params")):
@@ -113,7 +101,6 @@ def test_bf16_compute_fp32_reduce(ranks, world_size: int, impl: str) -> None:
 def test_gradient_accumulation_equals_large_batch(ranks, world_size: int, impl: str) -> None:
     """4 micro-batches per rank, gradient sync only on the last, equal one step on the
     whole batch of 48 sequences."""
-    require(impl)
     got, ref = sharded(ranks, ACCUMULATE, impl, world_size), reference(ACCUMULATE)
     assert max_loss_error(got["losses"], ref["losses"]) <= 1e-5
     assert max_param_error(got["params"], ref["params"]) <= 1e-5
@@ -123,7 +110,6 @@ def test_gradient_accumulation_equals_large_batch(ranks, world_size: int, impl: 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_clip_grad_norm(ranks, world_size: int, impl: str) -> None:
     """``clip_grad_norm_`` returns the one-process total norm and clips the same way."""
-    require(impl)
     got, ref = sharded(ranks, CLIP, impl, world_size), reference(CLIP)
     assert any(n > CLIP.clip for n in ref["norms"])  # the clip really acts
     assert len(got["norms"]) == CLIP.steps
