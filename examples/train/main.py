@@ -137,6 +137,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
             model.eval()
             history["val"].append([done, validate(model, val_batches)])
             model.train()
+            # A forward with no backward leaves the root unsharded (as in FSDP2); reshard so
+            # the registered parameters are the sharded ones the optimizer and checkpoint use.
+            model.reshard()
         if config.checkpoint_every and (done % config.checkpoint_every == 0 or done == config.steps):
             from fsdp import checkpoint
 
