@@ -149,12 +149,19 @@ def _norm_partial(ord: float) -> Placement | None:
     return None
 
 
+def _inf_norm_identity(ord: float) -> float:
+    """The partial inf-norm (``-inf``-norm) of an empty run: ``0`` (``inf``), not the ``-inf``
+    of :func:`~ragged_dtensor.identities.reduction_identity`, because a norm is never negative
+    and a pending partial norm may still pass through ``abs`` (``clip_grad_norm_`` takes the
+    norm of the stacked per-tensor norms) before its max is reduced."""
+    return 0.0 if ord > 0 else math.inf
+
+
 def _local_vector_norm(local: torch.Tensor, ord: float, dtype: torch.dtype | None) -> torch.Tensor:
     """``vector_norm`` of a local run; the ±inf-norms of an empty run give their identity."""
     if local.numel() == 0 and math.isinf(ord):
         out_dtype = dtype or local.abs().dtype
-        identity = reduction_identity("max" if ord > 0 else "min", out_dtype)
-        return torch.full((), identity, dtype=out_dtype, device=local.device)
+        return torch.full((), _inf_norm_identity(ord), dtype=out_dtype, device=local.device)
     return torch.linalg.vector_norm(local, ord, dtype=dtype)
 
 
@@ -186,9 +193,7 @@ def vector_norm_handler(
             return out
     ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
     if math.isinf(ord):
-        reduce_op = "max" if ord > 0 else "min"
-        return dispatch_with_identity(op_call, args, kwargs,
-                                      lambda dtype: reduction_identity(reduce_op, dtype))
+        return dispatch_with_identity(op_call, args, kwargs, lambda _: _inf_norm_identity(ord))
     return dispatch_default(op_call, args, kwargs)
 
 
