@@ -52,7 +52,18 @@ def _bad_inputs() -> dict[str, str]:
             model[1] = nn.Linear(3, 3)
         fsdp.fully_shard(model, mesh=mesh)
 
+    class Scalar(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(2.0))
+
     out["mixed_meta"] = _error_of(mixed_meta)
+    out["scalar"] = _error_of(lambda: fsdp.fully_shard(Scalar(), mesh=mesh))
+    out["container"] = _error_of(lambda: fsdp.fully_shard(nn.ModuleList([nn.Linear(2, 2)]),
+                                                          mesh=mesh))
+    plain = nn.Linear(2, 2)
+    fsdp.register_fsdp_forward_method(plain, "forward")  # a no-op off fsdp, as in FSDP2
+    out["plain_forward_method"] = str(plain.forward == nn.Linear.forward.__get__(plain))
     out["shared"] = _error_of(shared_across_groups)
     out["top_down"] = _error_of(top_down)
     out["unit_zero"] = _error_of(lambda: fsdp.fully_shard(build_model(), mesh=mesh,
@@ -74,6 +85,9 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(ranks):
     assert "shared with the group of Block" in out["shared"] and "fully_shard([" in out["shared"]
     assert "bottom-up" in out["top_down"]
     assert "'1.weight' is on the meta device" in out["mixed_meta"]
+    assert out["scalar"].startswith("ValueError") and "scale" in out["scalar"]
+    assert "containers that do not implement forward" in out["container"]
+    assert out["plain_forward_method"] == "True"
     assert out["unit_zero"].startswith("ValueError") and "'pos'" in out["unit_zero"]
     assert "Shard(1)" in out["shard1"] and "unit_policy" in out["shard1"]
     assert out["int_reshard"].startswith("NotImplementedError")

@@ -182,6 +182,8 @@ def test_frozen_parameters_get_no_gradient_memory_and_tied_weights_stay_one(rank
 
 def _state_dict_is_local() -> dict[str, Any]:
     model = _sharded_model(dist.get_world_size())
+    tokens = batches(RunSpec(steps=1, global_batch=2))[0][:, :-1]
+    model(tokens)  # the root keeps its parameters unsharded after forward
     with record_collectives() as log:
         sd = model.state_dict()
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]

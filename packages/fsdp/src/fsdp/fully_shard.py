@@ -17,7 +17,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp.param_group import TrainingState
 from fsdp.policies import UnitPolicy
 from fsdp.sharding import build_group, collect_params, managed_modules
 from fsdp.state import FSDPState, get_state
@@ -81,9 +80,11 @@ def fully_shard(
 
     Raises:
         ValueError: for a parameter shared with another group, ``fully_shard`` applied
-            top-down, a non-positive unit, ``Shard(d > 0)``, or an empty parameter (the same
-            facts on every rank, so every rank raises).
-        NotImplementedError: for an ``int`` ``reshard_after_forward`` or CPU offload of a
+            top-down, a non-positive unit, ``Shard(d > 0)``, a scalar or empty parameter, or a
+            container without ``forward`` (the same facts on every rank, so every rank
+            raises).
+        NotImplementedError: for DTensor (tensor-parallel) parameters, an ``int``
+            ``reshard_after_forward``, or CPU offload of a
             mesh that is not on CPU.
     """
     modules = tuple(module) if isinstance(module, list) else (module,)
@@ -93,13 +94,17 @@ def fully_shard(
     for m in modules:
         if get_state(m) is not None:
             raise ValueError(f"fully_shard was already applied to {type(m).__name__}")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(f"fully_shard does not support containers that do not implement "
+                             f"forward: {type(m).__name__}; shard its modules, or the module "
+                             "that calls them")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"reshard_after_forward={reshard_after_forward!r}: resharding to a smaller world "
             "size after forward (an int) is not supported; pass True, False or None")
     mesh = mesh or _default_mesh()
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard: mesh must be 1-D (FSDP) or 2-D (HSDP), got {mesh.ndim}-D")
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
     device = _mesh_device(mesh)
     if isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu":
         raise NotImplementedError(
@@ -196,9 +201,7 @@ class FSDPModule:
     def reshard(self) -> None:
         """Free this module's unsharded parameters and register the sharded ones."""
         for group in self._get_fsdp_state().groups:
-            previous, group.training_state = group.training_state, TrainingState.IDLE
-            group.reshard()
-            group.training_state = previous
+            group.to_sharded()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters ahead of its forward.
@@ -416,12 +419,13 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         module: a module ``fully_shard`` was applied to.
         method_name: the method to wrap.
 
+    A no-op for a module that is not sharded, as in FSDP2.
+
     Raises:
-        ValueError: when ``module`` is not sharded or has no such method.
+        ValueError: when ``module`` has no such method.
     """
     if not isinstance(module, FSDPModule):
-        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} is not an "
-                         "FSDPModule")
+        return  # as in FSDP2: scripts call it whether or not the module is sharded
     if not hasattr(module, method_name):
         raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
     original = getattr(module, method_name)

@@ -159,6 +159,11 @@ class FSDPParamGroup:
         self.backward_armed = False
         self._gathers: list[CollectiveHandle] | None = None
         self.post_forward_indices: list[int] = []
+        # state_dict() and load_state_dict() must see the sharded parameters (a root keeps
+        # its unsharded ones registered after forward), as FSDP2 ensures with the same hooks.
+        for module in dict.fromkeys(m for p in params for m, _ in p.slots):
+            module.register_state_dict_pre_hook(lambda *args, **kwargs: self.to_sharded())
+            module._register_load_state_dict_pre_hook(lambda *args, **kwargs: self.to_sharded())
 
     # ------------------------------------------------------------------ unshard / reshard
     @property
@@ -196,6 +201,11 @@ class FSDPParamGroup:
         ``reshard_after_forward`` during forward)."""
         if self.training_state == TrainingState.FORWARD and not self.config.reshard_after_forward:
             return
+        self.to_sharded()
+
+    def to_sharded(self) -> None:
+        """Reshard now, whatever the step: for ``FSDPModule.reshard()``, state dicts and
+        ``_apply``, which must see the sharded parameters."""
         self.wait_for_unshard()
         if not self.is_unsharded:
             return

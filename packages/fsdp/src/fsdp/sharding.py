@@ -18,6 +18,7 @@ import torch.nn as nn
 from dbuffer import DBuffer
 from layout_planner import TensorSpec, plan_buckets
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp.buffers import make_buffer, sharded_parameter
@@ -95,6 +96,14 @@ def collect_params(modules: list[tuple[str, nn.Module]],
                     f"{getattr(param, _OWNER_ATTR)}, which already manages it; a parameter can belong "
                     "to one group only: put both modules in one group with "
                     "fully_shard([module_a, module_b])")
+            if isinstance(param, DTensor):
+                raise NotImplementedError(
+                    f"fully_shard: parameter {name!r} is already a DTensor "
+                    f"({param.placements}); composing fsdp with tensor parallelism is not "
+                    "supported")
+            if param.dim() == 0:
+                raise ValueError(f"fully_shard doesn't support scalar parameters. Change {name} "
+                                 "to a 1D tensor with numel equal to 1.")
             if param.numel() == 0:
                 raise ValueError(f"fully_shard: parameter {name!r} has no elements (shape "
                                  f"{tuple(param.shape)}); fsdp cannot shard it: exclude it "
