@@ -25,6 +25,15 @@ every round) so both see the same machine noise. Reported per mode:
   the same forward/backward on an unsharded copy of the model (the model's own copies);
 * ratios ours / FSDP2 (targets on a quiet machine: step time <= 0.90, peak memory <= 0.80).
 
+glibc's dynamic mmap threshold keeps freed multi-MB blocks in the heap, so by default RSS
+follows what the allocator happened to keep, not live tensors; ``--fixed-mmap-threshold``
+pins ``MALLOC_MMAP_THRESHOLD_`` to 64 KiB in the ranks so large tensors go back to the OS
+when freed and the peak follows live memory (at the cost of page faults on every large
+allocation, paid most by the side that allocates more temporaries: take times from a run
+without it). On the default model the peak is mostly activations (an unsharded one-process step of the
+same model peaks ~210 MB over baseline in fp32, the whole fp32 model is 15 MB), which both
+systems keep alike; ``--seq`` / ``--batch-per-rank`` shrink them to see the sharded state.
+
 Run: ``python benchmarks/train_step.py [--steps N] [--warmup W] [--rounds R]``; writes
 ``benchmarks/results/train_step.json``. On a shared machine timings are noisy: measure the
 real figures on a quiet one.
@@ -34,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -232,8 +242,7 @@ def measure_system(system: str, compute: torch.dtype | None, cfg: ModelConfig, s
             "copy_bytes_by_scope": dict(sorted(by_scope.items(), key=lambda kv: -kv[1])[:12])}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = ModelConfig()
+def run(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, Any]:
     report: dict[str, Any] = {}
     for mode, compute in MODES.items():
         rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
@@ -281,18 +290,28 @@ def main() -> None:
     parser.add_argument("--note", default="shared 2-core machine: timings are noisy; measure "
                         "the real figures on a quiet machine")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--fixed-mmap-threshold", action="store_true",
+                        help="MALLOC_MMAP_THRESHOLD_=65536 in the ranks: RSS follows live memory")
+    for name, value in asdict(ModelConfig()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
+                            help="model/batch size (a smaller --seq or --batch-per-rank makes "
+                            "parameters, not activations, dominate the peak)")
     args = parser.parse_args()
     if args.warmup < 1:
         parser.error("--warmup must be >= 1 (the training peak is measured after it)")
 
-    report = run(args)
+    cfg = ModelConfig(**{name: getattr(args, name) for name in asdict(ModelConfig())})
+    if args.fixed_mmap_threshold:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
+    report = run(args, cfg)
     result = {
         "benchmark": "training step, fsdp vs FSDP2 (torch.distributed.fsdp.fully_shard)",
         "world_size": WORLD_SIZE, "backend": "gloo (CPU, 1 thread per rank)",
-        "model": asdict(ModelConfig()), "optimizer": "torch.optim.AdamW",
+        "model": asdict(cfg), "optimizer": "torch.optim.AdamW",
         "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
         "targets": {"step_time": 0.90, "peak_memory": 0.80},
         "note": args.note,
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default (dynamic)"),
         "modes": report,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
