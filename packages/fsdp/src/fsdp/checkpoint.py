@@ -19,11 +19,12 @@ instead of one raising while the others wait in a collective.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import shutil
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from pathlib import Path
@@ -32,10 +33,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ragged_dtensor import raise_on_any_rank
+from ragged_dtensor import from_local_run, is_ragged, raise_on_any_rank
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 from fsdp.state import get_state
 
@@ -44,6 +47,7 @@ METADATA_FILE = "fsdp_checkpoint.json"
 DCP_METADATA_FILE = ".metadata"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
+_GROUP: dist.ProcessGroup | None = None
 _PACKAGES = ("torch", "fsdp", "ragged-dtensor", "dbuffer", "layout-planner", "block-optim")
 
 
@@ -164,6 +168,43 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[st
     return {"model": model_sd, "optim": optim_sd}
 
 
+def _stage_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy that training cannot change, with the same (sharded) layout."""
+    if not isinstance(tensor, DTensor):
+        return tensor.detach().clone()
+    local = tensor.to_local().detach().clone()
+    if is_ragged(tensor):
+        return from_local_run(local, tensor.device_mesh, tensor.placements, tensor.shape)
+    return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                              shape=tensor.shape, stride=tensor.stride())
+
+
+def _staged(state: dict[str, Any]) -> dict[str, Any]:
+    """The state dict with every tensor copied (local runs only: no communication).
+
+    torch's own stager (``dcp.async_save``'s default) deep-copies each tensor's storage and
+    fails on the views of a DBuffer that fsdp's parameters are, so fsdp stages itself.
+    """
+    return tree_map_only(torch.Tensor, _stage_tensor, state)
+
+
+@functools.cache
+def _writer() -> ThreadPoolExecutor:
+    """The one background thread that runs asynchronous saves, in order."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp-checkpoint")
+
+
+def _checkpoint_group() -> dist.ProcessGroup | None:
+    """A gloo group of its own for background saves, so their collectives never interleave
+    with training's on the default group (created once, by every rank)."""
+    global _GROUP
+    if not dist.is_initialized():
+        return None
+    if _GROUP is None:
+        _GROUP = dist.new_group(backend="gloo")
+    return _GROUP
+
+
 def _prune(root: Path, keep_last: int) -> None:
     complete = sorted((int(m.group(1)), p) for p in root.iterdir()
                       if (m := _STEP_DIR.match(p.name)) and _is_complete(p))
@@ -186,8 +227,9 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             scheduler state, ...), returned by :func:`load`.
         keep_last: after the rename, delete all but the newest ``keep_last`` complete
             checkpoints (``None``: keep all).
-        async_save: write with ``dcp.async_save`` and return an :class:`AsyncSave` at once;
-            the tensors are staged to CPU memory first, so training may change them.
+        async_save: copy each rank's runs (no communication), then write them with
+            ``dcp.save`` in a background thread over a gloo group of its own, and return an
+            :class:`AsyncSave` at once: training may go on and change the parameters.
 
     Returns:
         The checkpoint's final directory, or an :class:`AsyncSave` whose ``result()`` returns
@@ -240,9 +282,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         return final
 
     if async_save:
-        upload = dcp.async_save(state, checkpoint_id=tmp)
-        if not isinstance(upload, Future):
-            upload = upload.upload_completion
+        staged, group = _staged(state), _checkpoint_group()
+        upload = _writer().submit(dcp.save, staged, checkpoint_id=tmp, process_group=group)
         return AsyncSave(upload, finish)
     try:
         dcp.save(state, checkpoint_id=tmp)
