@@ -40,7 +40,8 @@ class TrainConfig:
         data: a text file or a directory of text files (default: the standard library).
         max_bytes: bytes of the corpus to read at most.
         val_fraction: the held-out tail of the corpus.
-        val_every: steps between validation passes (also run after the last step).
+        val_every: steps between validation passes (also run before the first step and
+            after the last).
         val_windows: sequences per validation pass (over all ranks).
         checkpoint_every: steps between checkpoints (0: none).
         keep_checkpoints: checkpoints kept on disk.
@@ -69,7 +70,7 @@ class TrainConfig:
     data: str | None = None
     max_bytes: int = 4_000_000
     val_fraction: float = 0.05
-    val_every: int = 50
+    val_every: int = 25
     val_windows: int = 64
     checkpoint_every: int = 100
     keep_checkpoints: int = 2

@@ -57,10 +57,15 @@ def loss_sum(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def validate(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
     """Mean held-out loss per byte over every rank's validation windows."""
+    model.eval()
     total, count = torch.zeros(()), torch.zeros(())
     for batch in batches:
         total += loss_sum(model, batch).cpu()
         count += batch[:, 1:].numel()
+    model.train()
+    # A forward with no backward leaves the root unsharded (as in FSDP2); reshard so the
+    # registered parameters are the sharded ones the optimizer and the checkpoint hold.
+    model.reshard()
     return mean_over_ranks(total, count)
 
 
@@ -119,6 +124,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
     bar = tqdm(total=config.steps, initial=start, disable=not lead, desc="train", unit="step",
                dynamic_ncols=True, file=sys.stdout)
     model.train()
+    if start == 0:
+        history["val"].append([0, validate(model, val_batches)])
     for step in range(start, config.steps):
         t0 = time.perf_counter()
         for group, base in zip(optimizer.param_groups, base_lrs):
@@ -134,12 +141,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         history["train"].append([step + 1, mean_loss])
         done = step + 1
         if done % config.val_every == 0 or done == config.steps:
-            model.eval()
             history["val"].append([done, validate(model, val_batches)])
-            model.train()
-            # A forward with no backward leaves the root unsharded (as in FSDP2); reshard so
-            # the registered parameters are the sharded ones the optimizer and checkpoint use.
-            model.reshard()
         if config.checkpoint_every and (done % config.checkpoint_every == 0 or done == config.steps):
             from fsdp import checkpoint
 

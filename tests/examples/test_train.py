@@ -39,7 +39,7 @@ def test_loss_falls_and_report_is_written(ranks, tmp_path: Path) -> None:
     first, last = sum(train_losses[:5]) / 5, sum(train_losses[-5:]) / 5
     assert first > 5.0 and last < first - 1.5, (first, last)  # from ~ln(256) to well below
     val = results[0]["history"]["val"]
-    assert [step for step, _ in val] == [20, 40] and val[-1][1] < first - 1.5, val
+    assert [step for step, _ in val] == [0, 20, 40] and val[-1][1] < val[0][1] - 1.5, val
     plot = Path(results[0]["plot"])
     assert plot == tmp_path / "loss.png" and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert results[1]["plot"] is None
