@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=Path,
                         help="JSON of a --impl torch run: conformance counts only tests that "
                              "pass there (the CPU-capable ones)")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other files' results already in the JSON (rerun a file)")
     parser.add_argument("--json", type=Path, help="where to write the results (default: "
                         "benchmarks/results/fsdp2_conformance[_baseline].json)")
     args = parser.parse_args(argv)
@@ -234,6 +236,16 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         results.extend(file_results)
 
+    out = args.json or DEFAULT_JSON[args.impl]
+    if args.update and out.exists():
+        previous = json.loads(out.read_text())
+        notes = {**{f: n for f, n in previous["files"].items() if f not in notes}, **notes}
+        kept = [TestResult(**t) for t in previous["tests"] if t["file"] not in
+                {path.name for path in files}]
+        if baseline:
+            kept = [replace(r, baseline=baseline.get(f"{r.file}::{r.test}", "")) for r in kept]
+        results = sorted(kept + results, key=lambda r: r.file)
+
     counted = [r for r in results if not baseline or r.baseline == "pass"]
     counts = {s: sum(r.status == s for r in counted)
               for s in ("pass", "fail", "error", "excluded", "skip")}
@@ -242,7 +254,6 @@ def main(argv: list[str] | None = None) -> int:
     print("counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     import torch
 
-    out = args.json or DEFAULT_JSON[args.impl]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "impl": args.impl,
