@@ -210,3 +210,28 @@ def test_load_errors_name_the_path_on_every_rank(ranks, tmp_path: Path) -> None:
         for rank, error in enumerate(errors):
             assert expect[name] in error and str(path) in error, (name, rank, error)
     assert json.loads((good / "fsdp_checkpoint.json").read_text())["step"] == 1
+
+
+def async_save_while_training(root: str) -> dict[str, Any]:
+    """Save asynchronously, train two more steps while it writes, then load it back."""
+    from fsdp import checkpoint
+
+    model = _trained("fsdp")
+    at_save = _full_params(model)
+    pending = checkpoint.save(root, model, None, step=1, async_save=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(2):
+        models._loss(model, models.batches(models.RunSpec(steps=1))[0][:2]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    moved = _full_params(model)
+    assert pending.result() == checkpoint.step_dir(root, 1)
+    checkpoint.load(root, model)
+    return {"at_save": at_save, "moved": moved, "loaded": _full_params(model)}
+
+
+def test_async_save_keeps_the_weights_of_the_moment_it_was_called(ranks,
+                                                                   tmp_path: Path) -> None:
+    out = ranks.run(3, async_save_while_training, str(tmp_path), timeout=TIMEOUT_S)[0]
+    torch.testing.assert_close(out["loaded"], out["at_save"], rtol=0, atol=0)
+    assert not torch.equal(out["moved"]["embed.weight"], out["at_save"]["embed.weight"])
