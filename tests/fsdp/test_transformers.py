@@ -29,7 +29,7 @@ from tests.docs_pages import python_blocks
 from tests.fsdp.models import full, import_fsdp, max_loss_error, max_param_error
 from tests.fsdp.test_block_optim_parity import LOSS_ABS, PARAM_ABS
 from tests.fsdp.test_block_optim_parity import SLACK as MUON_SLACK
-from tests.fsdp.test_parity import ADAMW_ABS, ADAMW_SLACK, require
+from tests.fsdp.test_parity import ADAMW_ABS, ADAMW_SLACK
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -134,7 +134,6 @@ def sharded(ranks, arch: str, optimizer: str, impl: str) -> dict[str, Any]:
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hf_model_matches_one_process(ranks, arch: str, optimizer: str) -> None:
-    require("fsdp")
     got, ref = sharded(ranks, arch, optimizer, "fsdp"), reference(arch, optimizer)
     oracle = sharded(ranks, arch, optimizer, "torch")
     assert ref["losses"][-1] < ref["losses"][0]  # it trains
@@ -160,7 +159,6 @@ def _run_page(blocks: list[str]) -> int:
 
 
 def test_real_models_page_runs_on_two_ranks(ranks) -> None:
-    require("fsdp")
     blocks = python_blocks(PAGE)
     assert blocks
     assert ranks.run(2, _run_page, blocks, timeout=TIMEOUT_S) == [len(blocks)] * 2
