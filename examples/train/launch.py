@@ -28,7 +28,7 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
 
 
-def launch(fn: Callable[[Any], None], arg: Any, world_size: int) -> None:
+def launch(fn: Callable[[Any], object], arg: Any, world_size: int) -> None:
     """Run ``fn(arg)`` on every rank of an initialised default process group.
 
     Args:
@@ -50,7 +50,7 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def _join_torchrun(fn: Callable[[Any], None], arg: Any) -> None:
+def _join_torchrun(fn: Callable[[Any], object], arg: Any) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl", timeout=TIMEOUT)
@@ -62,7 +62,7 @@ def _join_torchrun(fn: Callable[[Any], None], arg: Any) -> None:
         dist.destroy_process_group()
 
 
-def _spawned_rank(rank: int, world_size: int, port: int, fn: Callable[[Any], None], arg: Any) -> None:
+def _spawned_rank(rank: int, world_size: int, port: int, fn: Callable[[Any], object], arg: Any) -> None:
     # The ranks share this machine's cores: oversubscribing them slows every collective.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

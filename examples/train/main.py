@@ -20,6 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from tqdm import tqdm
+
+from fsdp import checkpoint
 
 from examples.train.config import TrainConfig, parse_args
 from examples.train.data import ByteData
@@ -100,8 +103,6 @@ def train(config: TrainConfig) -> dict[str, Any]:
     start = 0
     checkpoints = out / "checkpoints"
     if config.resume:
-        from fsdp import checkpoint
-
         start, extra = checkpoint.load(checkpoints, model, optimizer)
         history = extra["history"]
     elif config.checkpoint_every and lead and checkpoints.exists():
@@ -119,8 +120,6 @@ def train(config: TrainConfig) -> dict[str, Any]:
               flush=True)
 
     tokens_per_step = config.batch_size * world * config.seq_len
-    from tqdm import tqdm
-
     bar = tqdm(total=config.steps, initial=start, disable=not lead, desc="train", unit="step",
                dynamic_ncols=True, file=sys.stdout)
     model.train()
@@ -143,8 +142,6 @@ def train(config: TrainConfig) -> dict[str, Any]:
         if done % config.val_every == 0 or done == config.steps:
             history["val"].append([done, validate(model, val_batches)])
         if config.checkpoint_every and (done % config.checkpoint_every == 0 or done == config.steps):
-            from fsdp import checkpoint
-
             checkpoint.save(checkpoints, model, optimizer, step=done, extra={"history": history},
                             keep_last=config.keep_checkpoints)
         postfix = {"loss": f"{mean_loss:.3f}", "tok/s": f"{tokens_per_step / (time.perf_counter() - t0):,.0f}"}
@@ -171,11 +168,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     return {"history": history, "start_step": start, "plot": plot, "sample": sample}
 
 
-def _run(config: TrainConfig) -> None:
-    train(config)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Parse the options and run :func:`train` on every rank."""
     config = parse_args(argv)
-    launch(_run, config, config.world_size)
+    launch(train, config, config.world_size)

@@ -63,7 +63,6 @@ def test_bf16_runs_two_steps(ranks, tmp_path: Path) -> None:
 def test_resume_continues_exactly(ranks, tmp_path: Path) -> None:
     """Resuming at step 3 of 6 gives the uninterrupted run's losses bit for bit (the batches
     depend only on the step; model and optimizer state come back from the checkpoint)."""
-    pytest.importorskip("fsdp.checkpoint")
     whole = tiny(tmp_path / "whole", steps=6, checkpoint_every=3, val_every=3, sample_bytes=0)
     expected = ranks.run(2, train, whole, timeout=TIMEOUT_S)[0]["history"]
     checkpoints = tmp_path / "whole" / "checkpoints"
