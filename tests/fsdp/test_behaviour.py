@@ -57,7 +57,29 @@ def _bad_inputs() -> dict[str, str]:
             super().__init__()
             self.scale = nn.Parameter(torch.tensor(2.0))
 
+    def forward_on_meta() -> None:
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        fsdp.fully_shard(model[0], mesh=mesh)
+        fsdp.fully_shard(model, mesh=mesh)
+        model(torch.ones(2, 4))
+
+    def forward_after_to_empty() -> None:
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        fsdp.fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        for layer in model:
+            layer.reset_parameters()
+        model(torch.ones(2, 4))
+
     out["mixed_meta"] = _error_of(mixed_meta)
+    try:
+        forward_on_meta()
+        out["meta_forward"] = "no error"
+    except RuntimeError as error:
+        out["meta_forward"] = str(error)
+    out["after_to_empty"] = _error_of(forward_after_to_empty)
     out["scalar"] = _error_of(lambda: fsdp.fully_shard(Scalar(), mesh=mesh))
     out["container"] = _error_of(lambda: fsdp.fully_shard(nn.ModuleList([nn.Linear(2, 2)]),
                                                           mesh=mesh))
@@ -85,6 +107,8 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(ranks):
     assert "shared with the group of Block" in out["shared"] and "fully_shard([" in out["shared"]
     assert "bottom-up" in out["top_down"]
     assert "'1.weight' is on the meta device" in out["mixed_meta"]
+    assert "built on the meta device and never initialised" in out["meta_forward"]
+    assert out["after_to_empty"] == "no error"
     assert out["scalar"].startswith("ValueError") and "scale" in out["scalar"]
     assert "containers that do not implement forward" in out["container"]
     assert out["plain_forward_method"] == "True"

@@ -93,7 +93,10 @@ def fully_shard(
                         f"{type(module).__name__}")
     for m in modules:
         if get_state(m) is not None:
-            raise ValueError(f"fully_shard was already applied to {type(m).__name__}")
+            # FSDP2's exception type and words, so code written against it behaves the same
+            raise AssertionError("Each distinct composable distributed API can only be applied "
+                                 f"to a module once: fully_shard was already applied to "
+                                 f"{type(m).__name__}")
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(f"fully_shard does not support containers that do not implement "
                              f"forward: {type(m).__name__}; shard its modules, or the module "
@@ -105,6 +108,9 @@ def fully_shard(
     mesh = mesh or _default_mesh()
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified "
+                             "(as FSDP2 requires), e.g. mesh_dim_names=('replicate', 'shard')")
     device = _mesh_device(mesh)
     if isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu":
         raise NotImplementedError(
@@ -132,6 +138,9 @@ def fully_shard(
     return list(modules) if isinstance(module, list) else module  # type: ignore[return-value]
 
 
+fully_shard.state = get_state  # type: ignore[attr-defined]  # FSDP2's accessor of a module's state
+
+
 def _default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs an initialised torch.distributed process group")
@@ -153,7 +162,8 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
 
 
 def _no_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
-    raise AssertionError("fsdp does not support deepcopy; use a state dict to copy a model")
+    raise AssertionError("FSDP does not support deepcopy (fsdp shares FSDP2's rule); use a "
+                         "state dict to copy a model")
 
 
 class UnshardHandle:

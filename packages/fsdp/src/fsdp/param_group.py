@@ -159,6 +159,7 @@ class FSDPParamGroup:
         self.backward_armed = False
         self._gathers: list[CollectiveHandle] | None = None
         self.post_forward_indices: list[int] = []
+        self._uninitialised: dict[int, int] = {}
         # state_dict() and load_state_dict() must see the sharded parameters (a root keeps
         # its unsharded ones registered after forward), as FSDP2 ensures with the same hooks.
         for module in dict.fromkeys(m for p in params for m, _ in p.slots):
@@ -171,12 +172,39 @@ class FSDPParamGroup:
         """The buffers with gradient memory (frozen parameters live in buffers of their own)."""
         return [b for b in self.buffers if b.trainable]
 
+    def watch_uninitialised(self, buffers: list[DBuffer]) -> None:
+        """Remember buffers made for meta-device parameters with the autograd version of
+        their memory: until something writes into them (``to_empty``, an init, a state dict
+        load), a forward would compute on uninitialised memory, so :meth:`unshard` raises."""
+        self._uninitialised = {id(b): b.sharded_buffer._version for b in buffers}
+
+    def _check_initialised(self) -> None:
+        for buffer in self.buffers:
+            version = self._uninitialised.get(id(buffer))
+            if version is None:
+                continue
+            if buffer.sharded_buffer._version == version:
+                names = ", ".join(p.name for p in self._params_of(buffer))
+                raise RuntimeError(
+                    f"fsdp: parameters of {self.label} ({names}) were built on the meta "
+                    "device and never initialised: call model.to_empty(device=...) and "
+                    "initialise them (reset_parameters(), an init function, or a state dict "
+                    "load) before forward")
+            del self._uninitialised[id(buffer)]
+
     def unshard(self, async_op: bool = False) -> None:
         """Start the all-gather of every buffer in place (a no-op when already unsharded or
         gathering). With ``async_op`` the collectives overlap whatever runs until
-        :meth:`wait_for_unshard` (gloo runs them on its own thread)."""
+        :meth:`wait_for_unshard` (gloo runs them on its own thread).
+
+        Raises:
+            RuntimeError: for parameters built on the meta device and never written (the
+                same on every rank).
+        """
         if self._gathers is not None or self.is_unsharded:
             return
+        if self._uninitialised:
+            self._check_initialised()
         if not self.config.unshard_in_backward and self.training_state == TrainingState.PRE_BACKWARD:
             return
         with record_function(f"FSDP::all_gather ({self.label})"):

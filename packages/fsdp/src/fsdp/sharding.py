@@ -138,6 +138,7 @@ def build_group(collected: list[Collected], mesh: DeviceMesh, device: torch.devi
         kinds.setdefault(_kind(c.param), []).append(c)
     managed: list[ManagedParam] = []
     buffers: list[DBuffer] = []
+    uninitialised: list[DBuffer] = []  # built from meta parameters: nothing written yet
     for (requires_grad, dtype), members in kinds.items():
         compute = mp_policy.param_dtype or dtype
         reduce = mp_policy.reduce_dtype or compute
@@ -159,6 +160,8 @@ def build_group(collected: list[Collected], mesh: DeviceMesh, device: torch.devi
             buffer = make_buffer(plan, mesh, device=device, dtype=dtype, mp_policy=mp_policy,
                                  trainable=requires_grad, full_tensors=full)
             buffers.append(buffer)
+            if meta:
+                uninitialised.append(buffer)
             for name in names:
                 c = by_name[name]
                 sharded = sharded_parameter(buffer, name, requires_grad)
@@ -169,5 +172,7 @@ def build_group(collected: list[Collected], mesh: DeviceMesh, device: torch.devi
                 managed.append(m)
     order = {c.name: i for i, c in enumerate(collected)}
     managed.sort(key=lambda m: order[m.name])
-    return FSDPParamGroup(managed, buffers, label, mesh, mp_policy)
+    group = FSDPParamGroup(managed, buffers, label, mesh, mp_policy)
+    group.watch_uninitialised(uninitialised)
+    return group
 
