@@ -8,7 +8,8 @@
 * Pretrained weights: only rank 0 holds them; the model is built on the meta device, wrapped,
   ``to_empty``'d and filled by ``broadcast_from_rank0``. Every rank ends with the source
   weights; the peak RSS growth of the other ranks during the load (Linux ``VmHWM`` after a
-  reset through ``/proc/self/clear_refs``) stays below the full model's size.
+  reset through ``/proc/self/clear_refs``) stays below the full model's size (measured: 0 B
+  to 2.3 MB, noisy, against 8.4 MB; rank 0: 8.1 MB).
 """
 
 from __future__ import annotations
@@ -235,3 +236,37 @@ def test_async_save_keeps_the_weights_of_the_moment_it_was_called(ranks,
     out = ranks.run(3, async_save_while_training, str(tmp_path), timeout=TIMEOUT_S)[0]
     torch.testing.assert_close(out["loaded"], out["at_save"], rtol=0, atol=0)
     assert not torch.equal(out["moved"]["embed.weight"], out["at_save"]["embed.weight"])
+
+
+def save_error(root: str, kwargs: dict[str, Any]) -> str:
+    from fsdp import checkpoint
+
+    model = models.build_model()
+    _shard(model, "fsdp", None)
+    try:
+        checkpoint.save(root, model, None, **kwargs)
+    except (OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+SAVE_ERRORS = {
+    "negative step": ({"step": -1}, "ValueError: save: step must be an int >= 0, got -1"),
+    "step not an int": ({"step": "3"}, "ValueError: save: step must be an int >= 0, got '3'"),
+    "keep_last 0": ({"step": 2, "keep_last": 0}, "keep_last must be an int >= 1 or None, got 0"),
+    "extra not JSON": ({"step": 2, "extra": {"f": print}}, "extra must be JSON-serialisable"),
+    "step exists": ({"step": 1}, "FileExistsError: save: checkpoint"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAVE_ERRORS))
+def test_save_rejects_bad_input_on_every_rank_and_keeps_what_was_saved(
+        ranks, tmp_path: Path, case: str) -> None:
+    from fsdp import checkpoint
+
+    ranks.run(2, save_weights, "fsdp", str(tmp_path), timeout=TIMEOUT_S)
+    kwargs, expect = SAVE_ERRORS[case]
+    for rank, error in enumerate(ranks.run(2, save_error, str(tmp_path), kwargs)):
+        assert expect in error, (case, rank, error)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000001"]
+    assert checkpoint.read_info(tmp_path / "step_000000001").step == 1

@@ -241,11 +241,11 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         FileExistsError: if ``<path>/step_<step>`` already exists (nothing is overwritten).
     """
     root = Path(path)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise_on_any_rank(ValueError(f"save: step must be an int >= 0, got {step!r}"))
     final, tmp = step_dir(root, step), root / f"{_TMP_PREFIX}step_{step:09d}"
     error: BaseException | None = None
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        error = ValueError(f"save: step must be an int >= 0, got {step!r}")
-    elif keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         error = ValueError(f"save: keep_last must be an int >= 1 or None, got {keep_last!r}")
     elif final.exists():
         error = FileExistsError(f"save: checkpoint {final} already exists")
