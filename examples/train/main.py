@@ -66,9 +66,6 @@ def validate(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
         total += loss_sum(model, batch).cpu()
         count += batch[:, 1:].numel()
     model.train()
-    # A forward with no backward leaves the root unsharded (as in FSDP2); reshard so the
-    # registered parameters are the sharded ones the optimizer and the checkpoint hold.
-    model.reshard()
     return mean_over_ranks(total, count)
 
 

@@ -241,8 +241,9 @@ def _eval_forwards() -> dict[str, Any]:
     from tests.fsdp.test_mechanics import _groups
 
     groups = _groups(model)
-    resharded = [not any(b.is_unsharded for b in g.buffers) for g in groups[1:]]
-    model.reshard()  # the root keeps its parameters unsharded after forward, as in FSDP2
+    # no backward follows a no_grad forward: every group, the root's too, is resharded, so
+    # named_parameters() and optimizer state dicts see the sharded parameters
+    resharded = [not any(b.is_unsharded for b in g.buffers) for g in groups]
     ragged = all(type(p.placements[-1]).__name__ == "RaggedShard" for p in model.parameters())
     reference = build_model()
     return {"equal": torch.equal(train_out, eval_out),
@@ -252,7 +253,7 @@ def _eval_forwards() -> dict[str, Any]:
 
 def test_no_grad_and_eval_forwards_unshard_like_training(ranks):
     for out in ranks.run(2, _eval_forwards):
-        assert out["equal"] and out["ragged"] and out["resharded"] == [True, True]
+        assert out["equal"] and out["ragged"] and out["resharded"] == [True, True, True]
         assert out["close_to_one_process"] < 1e-5
 
 

@@ -195,9 +195,17 @@ class FSDPState:
             if state is not self and state._modules_to_run:
                 state._modules_to_run.clear()
                 output = state.post_forward(output)
+        no_backward = not torch.is_grad_enabled()
         for state in ctx.all_states:
             for group in state.groups:
-                if group.training_state == TrainingState.IDLE and group.config.reshard_after_forward:
+                if group.training_state != TrainingState.IDLE:
+                    continue
+                if no_backward:
+                    # No backward will use the unsharded parameters (eval, no_grad): release
+                    # them all, the root's too, so that named_parameters() and optimizer
+                    # state dicts see the sharded parameters the optimizer holds.
+                    group.to_sharded()
+                elif group.config.reshard_after_forward:
                     previous, group.training_state = group.training_state, TrainingState.FORWARD
                     group.reshard()
                     group.training_state = previous
