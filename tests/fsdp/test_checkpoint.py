@@ -18,7 +18,6 @@ size ``k`` that ``fsdp.checkpoint.load``\\ s and trains the remaining steps. Two
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map_only
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.utils._pytree import tree_map_only
 
 from tests.fsdp import models
 from tests.fsdp.models import RunSpec
