@@ -1,7 +1,8 @@
 """fsdp vs FSDP2: whole training steps of a LLaMA-style model on 4 gloo ranks.
 
 The same model (RMSNorm, causal attention, SwiGLU; 4 layers, d_model 256, vocab 1000, seq 128,
-batch 4 per rank, 3.7M parameters) is wrapped torchtitan-style (each block, then the root) by
+batch 4 per rank, 3.7M parameters; ``--moe``: each SwiGLU replaced by 4 experts, top-2, held as
+fused 3-D tensors, each expert one unit for fsdp; ``--world-size`` for other rank counts) is wrapped torchtitan-style (each block, then the root) by
 ``torch.distributed.fsdp.fully_shard`` (FSDP2) and by ``fsdp.fully_shard`` and trained with
 ``torch.optim.AdamW``, in fp32 and with bf16 compute / fp32 gradient reduction
 (``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``).
@@ -34,7 +35,8 @@ without it). On the default model the peak is mostly activations (an unsharded o
 same model peaks ~210 MB over baseline in fp32, the whole fp32 model is 15 MB), which both
 systems keep alike; ``--seq`` / ``--batch-per-rank`` shrink them to see the sharded state.
 
-Run: ``python benchmarks/train_step.py [--steps N] [--warmup W] [--rounds R]``; writes
+Run: ``python benchmarks/train_step.py [--steps N] [--warmup W] [--rounds R] [--moe]
+[--world-size N]``; writes
 ``benchmarks/results/train_step.json``. On a shared machine timings are noisy: measure the
 real figures on a quiet one.
 """
@@ -63,7 +65,6 @@ import torch.nn.functional as F  # noqa: E402
 from gloo_ranks import run_on_gloo_ranks  # noqa: E402
 from torch import nn  # noqa: E402
 
-WORLD_SIZE = 4
 RESULTS = _HERE / "results" / "train_step.json"
 SYSTEMS = {"fsdp2": "torch.distributed.fsdp", "fsdp": "fsdp"}
 MODES = {"fp32": None, "bf16_compute_fp32_reduce": torch.bfloat16}
@@ -80,6 +81,9 @@ class ModelConfig:
     vocab: int = 1000
     seq: int = 128
     batch_per_rank: int = 4
+    experts: int = 0  # 0: dense SwiGLU blocks; else MoE blocks of this many experts
+    top_k: int = 2
+
 
 
 class RMSNorm(nn.Module):
@@ -91,6 +95,46 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate, self.w_up = (nn.Linear(cfg.dim, cfg.ffn, bias=False) for _ in range(2))
+        self.w_down = nn.Linear(cfg.ffn, cfg.dim, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts, their weights fused into 3-D tensors (expert, out, in) as
+    in torchtitan's grouped experts; each expert's hidden size is ``ffn / top_k`` so a token
+    costs about what it costs in the dense block."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden, self.top_k = cfg.ffn // cfg.top_k, cfg.top_k
+        self.router = nn.Linear(cfg.dim, cfg.experts, bias=False)
+        self.w_gate, self.w_up = (nn.Parameter(torch.randn(cfg.experts, hidden, cfg.dim)
+                                               * cfg.dim ** -0.5) for _ in range(2))
+        self.w_down = nn.Parameter(torch.randn(cfg.experts, cfg.dim, hidden) * hidden ** -0.5)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        tokens = h.reshape(-1, h.shape[-1])
+        weights, chosen = self.router(tokens).softmax(-1).topk(self.top_k, dim=-1)
+        out = torch.zeros_like(tokens)
+        for e in range(self.w_gate.shape[0]):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            x = tokens[rows]
+            y = (F.silu(x @ self.w_gate[e].T) * (x @ self.w_up[e].T)) @ self.w_down[e].T
+            out = out.index_add(0, rows, y * weights[rows, slot, None].to(y.dtype))
+        return out.view_as(h)
+
+
+def expert_unit(name: str, param: torch.Tensor) -> int:
+    """fsdp's unit policy for the MoE model: one whole expert of a fused 3-D weight, else a row."""
+    return param[0].numel() if param.dim() == 3 else param.numel() // param.shape[0]
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -98,8 +142,7 @@ class Block(nn.Module):
         self.attn_norm, self.mlp_norm = RMSNorm(cfg.dim), RMSNorm(cfg.dim)
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(cfg.dim, cfg.dim, bias=False)
                                               for _ in range(4))
-        self.w_gate, self.w_up = (nn.Linear(cfg.dim, cfg.ffn, bias=False) for _ in range(2))
-        self.w_down = nn.Linear(cfg.ffn, cfg.dim, bias=False)
+        self.mlp = MoE(cfg) if cfg.experts else SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -108,8 +151,7 @@ class Block(nn.Module):
                    for w in (self.wq, self.wk, self.wv))
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.wo(attn.transpose(1, 2).reshape(b, s, d))
-        h = self.mlp_norm(x)
-        return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class Llama(nn.Module):
@@ -189,8 +231,8 @@ def measure_system(system: str, compute: torch.dtype | None, cfg: ModelConfig, s
     from torch.distributed.device_mesh import init_device_mesh
 
     api = importlib.import_module(SYSTEMS[system])
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size,))
     gen = torch.Generator().manual_seed(1000 + rank)
     batches = torch.randint(cfg.vocab, (warmup + steps + 1, cfg.batch_per_rank, cfg.seq + 1),
                             generator=gen)
@@ -203,9 +245,10 @@ def measure_system(system: str, compute: torch.dtype | None, cfg: ModelConfig, s
     torch.manual_seed(0)
     model = Llama(cfg)
     policy = api.MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    units = {"unit_policy": expert_unit} if system == "fsdp" and cfg.experts else {}
     for layer in model.layers:
-        api.fully_shard(layer, mesh=mesh, mp_policy=policy)
-    api.fully_shard(model, mesh=mesh, mp_policy=policy)
+        api.fully_shard(layer, mesh=mesh, mp_policy=policy, **units)
+    api.fully_shard(model, mesh=mesh, mp_policy=policy, **units)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(tokens: torch.Tensor) -> None:
@@ -225,9 +268,9 @@ def measure_system(system: str, compute: torch.dtype | None, cfg: ModelConfig, s
         if i == warmup - 1:
             setup_peak = _status_kib("VmHWM") - baseline
             _reset_peak_rss()
-    peaks = [None] * WORLD_SIZE
+    peaks = [None] * world_size
     dist.all_gather_object(peaks, (_status_kib("VmHWM") - baseline) * 1024)
-    setup_peaks = [None] * WORLD_SIZE
+    setup_peaks = [None] * world_size
     dist.all_gather_object(setup_peaks, setup_peak * 1024)
 
     if system == "fsdp2":
@@ -251,7 +294,7 @@ def run(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, Any]:
             for system in order:
                 print(f"{mode}: round {r + 1}/{args.rounds}, {system}", flush=True)
                 rounds[system].append(run_on_gloo_ranks(
-                    measure_system, WORLD_SIZE, system, compute, cfg, args.steps, args.warmup))
+                    measure_system, args.world_size, system, compute, cfg, args.steps, args.warmup))
         entry: dict[str, Any] = {}
         for system, results in rounds.items():
             times = [t for res in results for t in res["step_ms"]]
@@ -286,6 +329,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2,
                         help="fresh-process runs per system and mode, alternating")
+    parser.add_argument("--world-size", type=int, default=4, help="gloo ranks")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     parser.add_argument("--note", default="shared 2-core machine: timings are noisy; measure "
                         "the real figures on a quiet machine")
@@ -296,6 +340,8 @@ def main() -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
                             help="model/batch size (a smaller --seq or --batch-per-rank makes "
                             "parameters, not activations, dominate the peak)")
+    parser.add_argument("--moe", dest="experts", action="store_const", const=4,
+                        help="MoE blocks: 4 experts, top-2 (the same as --experts 4)")
     args = parser.parse_args()
     if args.warmup < 1:
         parser.error("--warmup must be >= 1 (the training peak is measured after it)")
@@ -306,7 +352,7 @@ def main() -> None:
     report = run(args, cfg)
     result = {
         "benchmark": "training step, fsdp vs FSDP2 (torch.distributed.fsdp.fully_shard)",
-        "world_size": WORLD_SIZE, "backend": "gloo (CPU, 1 thread per rank)",
+        "world_size": args.world_size, "backend": "gloo (CPU, 1 thread per rank)",
         "model": asdict(cfg), "optimizer": "torch.optim.AdamW",
         "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
         "targets": {"step_time": 0.90, "peak_memory": 0.80},
