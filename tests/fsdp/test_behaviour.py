@@ -74,6 +74,8 @@ def _bad_inputs() -> dict[str, str]:
         model(torch.ones(2, 4))
 
     out["mixed_meta"] = _error_of(mixed_meta)
+    out["differ"] = _error_of(lambda: fsdp.fully_shard(nn.Linear(4, 4 + dist.get_rank()),
+                                                       mesh=mesh)).split(":")[0]
     try:
         forward_on_meta()
         out["meta_forward"] = "no error"
@@ -107,6 +109,7 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(ranks):
     assert "shared with the group of Block" in out["shared"] and "fully_shard([" in out["shared"]
     assert "bottom-up" in out["top_down"]
     assert "'1.weight' is on the meta device" in out["mixed_meta"]
+    assert out["differ"] == "ValueError"  # shapes differ across ranks: one collective finds it
     assert "built on the meta device and never initialised" in out["meta_forward"]
     assert out["after_to_empty"] == "no error"
     assert out["scalar"].startswith("ValueError") and "scale" in out["scalar"]

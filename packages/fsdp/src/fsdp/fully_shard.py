@@ -14,11 +14,12 @@ from typing import Any, NoReturn, overload
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from ragged_dtensor import raise_on_any_rank
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp.policies import UnitPolicy
-from fsdp.sharding import build_group, collect_params, managed_modules
+from fsdp.sharding import build_group, collect_params, managed_modules, resolve_units, signature
 from fsdp.state import FSDPState, get_state
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
@@ -118,12 +119,22 @@ def fully_shard(
             "sharded buffer and the unsharded buffer of a DBuffer live on one device")
 
     labels = ", ".join(type(m).__name__ for m in modules)
-    collected = collect_params(managed_modules(modules, lambda m: get_state(m) is not None),
-                               set(ignored_params or ()))
+    collected: list = []
+    units: dict[str, int] = {}
+    error: BaseException | None = None
+    try:
+        collected = collect_params(managed_modules(modules, lambda m: get_state(m) is not None),
+                                   set(ignored_params or ()))
+        units = resolve_units(collected, unit_policy, shard_placement_fn)
+    except (ValueError, NotImplementedError, TypeError) as caught:
+        error = caught
+    # One collective per mesh dim: an error found on any rank, or parameters (names, shapes,
+    # dtypes, units) that differ across ranks, raise on every rank before any rank plans.
+    for dim in range(mesh.ndim):
+        raise_on_any_rank(error, mesh.get_group(dim), agree_on=signature(collected, units))
     group = None
     if collected:
-        group = build_group(collected, mesh, device, mp_policy, unit_policy, shard_placement_fn,
-                            labels)
+        group = build_group(collected, units, mesh, device, mp_policy, labels)
         if reshard_after_forward is not None:
             group.config.reshard_after_forward = reshard_after_forward
     for _, m in managed_modules(modules, lambda m: get_state(m) is not None):

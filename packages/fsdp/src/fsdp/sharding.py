@@ -10,6 +10,7 @@ and registers a RaggedShard DTensor parameter over each run in place of the orig
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -121,17 +122,28 @@ def _align(dtypes: Iterable[torch.dtype]) -> int:
     return max(1, _COLLECTIVE_ALIGN_BYTES // min(d.itemsize for d in dtypes))
 
 
-def build_group(collected: list[Collected], mesh: DeviceMesh, device: torch.device,
-                mp_policy: MixedPrecisionPolicy, unit_policy: UnitPolicy | None,
-                shard_placement_fn: Callable[[nn.Parameter], object] | None,
+def resolve_units(collected: list[Collected], unit_policy: UnitPolicy | None,
+                  shard_placement_fn: Callable[[nn.Parameter], object] | None) -> dict[str, int]:
+    """Every parameter's unit under the user's policies (see :func:`resolve_unit`)."""
+    return {c.name: resolve_unit(c.name, c.param, unit_policy, shard_placement_fn)
+            for c in collected}
+
+
+def signature(collected: list[Collected], units: dict[str, int]) -> str:
+    """What every rank must agree on before planning: names, shapes, dtypes, trainability
+    and units, in order (ranks that differ would plan different buffers)."""
+    return json.dumps([(c.name, list(c.param.shape), str(c.param.dtype), c.param.requires_grad,
+                        units.get(c.name)) for c in collected])
+
+
+def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceMesh,
+                device: torch.device, mp_policy: MixedPrecisionPolicy,
                 label: str) -> FSDPParamGroup:
     """Plan, allocate and register the sharded parameters of one group.
 
-    Every rank computes the same plans from the same parameter shapes; each DBuffer checks
-    that with one small collective at construction, raising on every rank on a mismatch.
+    Every rank computes the same plans from the same parameter shapes (checked before, by
+    ``fully_shard``); each DBuffer checks its plan again with one small collective.
     """
-    units = {c.name: resolve_unit(c.name, c.param, unit_policy, shard_placement_fn)
-             for c in collected}
     shard_size = mesh.size(mesh.ndim - 1)
     kinds: dict[tuple[bool, torch.dtype], list[Collected]] = {}
     for c in collected:
