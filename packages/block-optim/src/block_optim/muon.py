@@ -113,7 +113,8 @@ class Muon(MatrixOptimizer):
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), eps=eps, ns_dtype=ns_dtype,
+            ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), eps=eps,
+            ns_dtype=_dtype_name(ns_dtype),
             scaling=scaling, use_muon=None, adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas),
             adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
         )
@@ -123,6 +124,18 @@ class Muon(MatrixOptimizer):
             "Muon", _unit, lambda param: None,
             lambda param, piece: newton_schulz_flops(piece.rows, piece.cols, self._group_of(param)["ns_steps"]),
         )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; ``ns_dtype`` is kept by name (``"bfloat16"``), since state-dict
+        tooling (``get_optimizer_state_dict(full_state_dict=True)``, DCP) only carries plain
+        values in param groups.
+
+        Args:
+            param_group: The group (``params`` plus any hyper-parameter overrides).
+        """
+        if "ns_dtype" in param_group:
+            param_group = {**param_group, "ns_dtype": _dtype_name(param_group["ns_dtype"])}
+        super().add_param_group(param_group)
 
     def group_checks(self, group: dict[str, Any]) -> list[Check]:
         """Muon's range checks of one parameter group.
@@ -140,8 +153,7 @@ class Muon(MatrixOptimizer):
             ("ns_steps", isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1, "must be an int >= 1"),
             ("ns_coefficients", len(group["ns_coefficients"]) == 3, "must be three floats (a, b, c)"),
             ("eps", group["eps"] > 0, "must be > 0"),
-            ("ns_dtype", isinstance(group["ns_dtype"], torch.dtype) and group["ns_dtype"].is_floating_point,
-             "must be a floating torch.dtype"),
+            ("ns_dtype", _ns_dtype(group) is not None, "must be a floating torch.dtype"),
             ("scaling", group["scaling"] in SCALINGS, f"must be one of {SCALINGS}"),
             ("use_muon", group["use_muon"] in (None, True, False), "must be None, True or False"),
             ("adamw_lr", group["adamw_lr"] >= 0, "must be >= 0"),
@@ -216,7 +228,7 @@ class Muon(MatrixOptimizer):
             group = groups[j]
             return newton_schulz(
                 inputs[0], steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                eps=group["eps"], dtype=group["ns_dtype"],
+                eps=group["eps"], dtype=_ns_dtype(group),
             )
 
         orthogonal = self._scheduler.run(
@@ -237,3 +249,16 @@ class Muon(MatrixOptimizer):
                 step=int(state["step"].item()), lr=group["adamw_lr"], betas=group["adamw_betas"],
                 eps=group["adamw_eps"], weight_decay=group["adamw_weight_decay"],
             )
+
+
+def _dtype_name(dtype: object) -> object:
+    """``torch.bfloat16`` -> ``"bfloat16"``; anything else unchanged (checked later)."""
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+
+
+def _ns_dtype(group: dict[str, Any]) -> torch.dtype | None:
+    """The group's Newton-Schulz dtype (stored by name), or ``None`` if it is not a floating
+    dtype."""
+    value = group["ns_dtype"]
+    dtype = getattr(torch, value, None) if isinstance(value, str) else value
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
