@@ -263,7 +263,6 @@ class FSDPModule:
         """
         for group in self._groups(recurse):
             group.config.reduce_grads = requires_gradient_sync
-            group.config.all_reduce_grads = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: whether to all-reduce over the replicate dimension after reduce-scatter.
@@ -279,8 +278,7 @@ class FSDPModule:
             raise NotImplementedError(
                 "set_requires_all_reduce(False) is not supported: a DBuffer's HSDP "
                 "reduce-scatter always ends with the replicate all-reduce")
-        for group in self._groups(recurse):
-            group.config.all_reduce_grads = True
+        del recurse  # True is what every group always does
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` at run time (e.g. ``False`` for evaluation).

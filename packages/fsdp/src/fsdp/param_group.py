@@ -121,7 +121,6 @@ class GroupConfig:
     reshard_after_forward: bool = True
     reshard_after_backward: bool = True
     reduce_grads: bool = True
-    all_reduce_grads: bool = True
     unshard_in_backward: bool = True
     reduce_scatter_unused_params: bool = False
     gradient_divide_factor: float | None = None
