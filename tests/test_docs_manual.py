@@ -8,12 +8,13 @@ check reads ``mkdocs.yml`` so a page added without a nav entry (which ``mkdocs b
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from layout_planner import plan
 
 from tests.docs_pages import DOCS, python_blocks, run_page_blocks
 
@@ -52,6 +53,20 @@ def test_concept_figures_exist() -> None:
     for name in ("ragged-shard", "plan", "dbuffer", "muon", "shampoo", "adamw8bit"):
         assert f"](img/concepts/{name}.png)" in text, name
         assert (DOCS / "img" / "concepts" / f"{name}.png").stat().st_size > 0, name
+
+
+def test_figure_script_draws_every_figure_from_the_pages_plan(tmp_path, monkeypatch) -> None:
+    spec = importlib.util.spec_from_file_location("draw", DOCS / "figures" / "draw.py")
+    draw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(draw)
+    monkeypatch.setattr(draw, "OUT", tmp_path)
+    draw.main()
+    committed = sorted(p.name for p in (DOCS / "img" / "concepts").glob("*.png"))
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == committed
+    # The plan figure and DBuffer figure draw the plan the concepts page computes.
+    namespace: dict[str, Any] = {}
+    exec(next(b for b in python_blocks("concepts.md") if "group = [" in b), namespace)  # noqa: S102
+    assert namespace["p"] == plan(draw.GROUP, draw.WORLD)
 
 
 def test_nav_lists_every_page_once_and_only_existing_pages() -> None:

@@ -2,8 +2,9 @@
 
 Every figure is computed, not sketched: the RaggedShard figure reads the ranges from a
 ``RaggedShard`` placement, the plan and DBuffer figures draw what ``layout_planner.plan``
-returns for a small group, and Muon's owner exchange uses ``layout_planner.assign_owners``
-as the optimizer does. Rerun after changing a concept page's example:
+returns for a small group, the optimizer figures plan with each optimizer's own
+``unit_policy``, and Muon's owner exchange uses ``layout_planner.assign_owners`` as the
+optimizer does. Rerun after changing a concept page's example:
 
     hatch run python docs/figures/draw.py
 """
@@ -20,7 +21,10 @@ import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
+import torch  # noqa: E402
+from block_optim import AdamW8bit, Muon, Shampoo  # noqa: E402
 from layout_planner import Plan, TensorSpec, assign_owners, plan  # noqa: E402
+from ragged_dtensor import RaggedShard  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "img" / "concepts"
 RANK_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52")
@@ -61,8 +65,6 @@ def _finish(ax: Axes, fig: plt.Figure, name: str, width: float, height: float,
 
 def ragged_shard() -> None:
     """A ``[8, 3]`` weight under ``RaggedShard((0,), (3, 0, 4, 1))``: rows by owner, then flat."""
-    from ragged_dtensor import RaggedShard
-
     shape, placement = (8, 3), RaggedShard(dims=(0,), local_units=(3, 0, 4, 1))
     counts = placement.local_units
     row_len = shape[1]
@@ -163,8 +165,10 @@ def dbuffer_figure(p: Plan) -> None:
 
 def muon_figure() -> None:
     """Muon on 2 ranks: a matrix cut by the rank boundary goes whole to its owner and back."""
-    matrices = {"A": (4, 6), "B": (6, 6), "C": (3, 6)}  # rows x cols; unit = one row
-    specs = [TensorSpec(n, r * c, unit=c, shape=(r, c)) for n, (r, c) in matrices.items()]
+    matrices = {"A": (4, 6), "B": (6, 6), "C": (3, 6)}  # rows x cols
+    unit = Muon.unit_policy()  # one row of a 2-D matrix
+    specs = [TensorSpec(n, r * c, unit=unit(n, torch.empty(r, c)), shape=(r, c))
+             for n, (r, c) in matrices.items()]
     p = plan(specs, 2)
     whole = {}
     for i, e in enumerate(p.entries):
@@ -202,7 +206,8 @@ def muon_figure() -> None:
 def shampoo_figure() -> None:
     """Shampoo: a 12 x 8 matrix with max_preconditioner_dim=4, planned on 3 ranks."""
     rows, cols, dim = 12, 8, 4
-    p = plan([TensorSpec("w", rows * cols, unit=dim * cols, shape=(rows, cols))], 3)
+    unit = Shampoo.unit_policy(max_preconditioner_dim=dim)("w", torch.empty(rows, cols))
+    p = plan([TensorSpec("w", rows * cols, unit=unit, shape=(rows, cols))], 3)
     fig, ax = plt.subplots(figsize=(8, 4.6))
     for row in range(rows):
         start = row * cols
@@ -224,12 +229,13 @@ def shampoo_figure() -> None:
 def adamw8bit_figure() -> None:
     """AdamW8bit: blocks of 256 elements (drawn as 8 cells), one absmax scale per block."""
     blocks, cells = 7, 8
-    p = plan([TensorSpec("w", blocks * 256, unit=256)], 3)
+    unit = AdamW8bit.unit_policy(min_8bit_numel=1024)("w", torch.empty(blocks * 256))
+    p = plan([TensorSpec("w", blocks * unit, unit=unit)], 3)
     fig, ax = plt.subplots(figsize=(11, 2.4))
     for b in range(blocks):
         rank = next(r for r in range(3) if p.local_range("w", r)[0] <= b * 256 < p.local_range("w", r)[1])
         _cell_row(ax, 0, [RANK_COLOURS[rank]] * cells, x0=b * (cells + 0.5), height=0.9)
-        ax.text(b * (cells + 0.5) + cells / 2, -0.3, f"block {b}: 256 x int8\n+ 1 fp32 absmax",
+        ax.text(b * (cells + 0.5) + cells / 2, -0.3, f"block {b}:\n2 x 256 int8 codes\n+ 2 fp32 absmax",
                 ha="center", va="top", fontsize=7)
     counts = [p.local_range("w", r)[1] - p.local_range("w", r)[0] for r in range(3)]
     ax.text(0, 1.4, f"AdamW8bit: rank cuts between 256-element blocks (per-rank elements "
