@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 
 
@@ -31,7 +32,7 @@ def assign_owners(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     for index, cost in enumerate(costs):
-        if not math.isfinite(cost) or cost < 0:
+        if not isinstance(cost, numbers.Real) or not math.isfinite(cost) or cost < 0:
             raise ValueError(f"cost of item {index} must be finite and non-negative, got {cost!r}")
     fixed = dict(fixed or {})
     loads = [0.0] * world_size
