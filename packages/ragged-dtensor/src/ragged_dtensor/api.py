@@ -54,6 +54,8 @@ def distribute_tensor(
         return torch_distribute_tensor(
             tensor, device_mesh, placements, src_data_rank=src_data_rank
         )
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"distribute_tensor: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if device_mesh is None:
         raise ValueError("distribute_tensor with a RaggedShard placement needs a device_mesh")
     placements = tuple(placements)
@@ -133,6 +135,8 @@ def local_shaped(dtensor: DTensor) -> torch.Tensor:
     Raises:
         ValueError: if the local tensor's size is not whole prefix rows.
     """
+    if not isinstance(dtensor, DTensor):
+        raise TypeError(f"local_shaped: dtensor must be a DTensor, got {type(dtensor).__name__}")
     local = dtensor.to_local()
     found = find_ragged(dtensor.placements)
     if found is None:

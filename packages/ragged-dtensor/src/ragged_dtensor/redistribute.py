@@ -226,6 +226,9 @@ def redistribute_many(
         )
     if not dtensors:
         return []
+    for i, t in enumerate(dtensors):
+        if not isinstance(t, DTensor):
+            raise TypeError(f"redistribute_many: tensor {i} must be a DTensor, got {type(t).__name__}")
     mesh = dtensors[0].device_mesh
     for i, (t, p) in enumerate(zip(dtensors, placements, strict=True)):
         if t.device_mesh != mesh or mesh.ndim != 1 or len(p) != 1:

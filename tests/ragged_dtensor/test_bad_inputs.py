@@ -1,0 +1,85 @@
+"""Bad-input table for ragged_dtensor's public entry points (issue 10): 18 invalid inputs.
+
+Each case runs on a world-size-1 gloo rank (the entry points need a mesh) and asserts the
+exception type and a message naming the argument or tensor at fault. Not repeated here:
+local_units vs mesh size, units not dividing the prefix rows and too few dims
+(test_placement.py / test_redistribute.py), from_element_counts summing wrong,
+DTensor.from_local run checks with consensus (test_from_local_checks.py), and
+raise_on_any_rank's consensus (test_consensus.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate
+
+from ragged_dtensor import RaggedShard, distribute_tensor, from_local_run, local_shaped, redistribute_many
+from tests.harness import device_mesh
+
+ROWS = RaggedShard((0,), [1])
+
+
+def _full() -> torch.Tensor:
+    return torch.arange(12.0).view(4, 3)
+
+
+def _ragged(mesh: Any) -> Any:
+    return distribute_tensor(_full(), mesh, [ROWS])
+
+
+CASES: dict[str, tuple[Callable[[Any], object], type[BaseException], str]] = {
+    "raggedshard-dims-empty": (lambda m: RaggedShard((), [1]), ValueError, r"RaggedShard dims must be a non-empty"),
+    "raggedshard-dims-not-prefix": (lambda m: RaggedShard((1, 0), [1]), ValueError, r"dims .*got \(1, 0\)"),
+    "raggedshard-local_units-empty": (lambda m: RaggedShard((0,), []), ValueError, r"local_units need at least one"),
+    "raggedshard-local_units-all-zero": (lambda m: RaggedShard((0,), [0, 0]), ValueError, r"local_units need at least"),
+    "raggedshard-local_units-negative": (lambda m: RaggedShard((0,), [-1, 2]), ValueError, r"local_units must be non-n"),
+    "raggedshard-local_units-float": (lambda m: RaggedShard((0,), [1.5]), ValueError, r"local_units must be integers"),
+    "from_element_counts-negative": (lambda m: RaggedShard.from_element_counts((4, 3), [-3, 15]), ValueError,
+                                     r"element counts \(-3, 15\) must be non-negative"),
+    "distribute_tensor-device_mesh-none": (lambda m: distribute_tensor(_full(), None, [ROWS]), ValueError,
+                                           r"needs a device_mesh"),
+    "distribute_tensor-placements-too-many": (lambda m: distribute_tensor(_full(), m, [ROWS, Replicate()]),
+                                              ValueError, r"2 placements for a 1-D mesh"),
+    "distribute_tensor-tensor-0d": (lambda m: distribute_tensor(torch.tensor(1.0), m, [ROWS]), ValueError,
+                                    r"needs a tensor of at least 1 dims, got shape \(\)"),
+    "distribute_tensor-tensor-list": (lambda m: distribute_tensor([1.0, 2.0], m, [ROWS]), TypeError,
+                                      r"tensor must be a torch.Tensor, got list"),
+    "from_local_run-local-2d": (lambda m: from_local_run(torch.ones(4, 3), m, [ROWS], (4, 3)), ValueError,
+                                r"1-D run of 12 elements, but its local tensor has shape \(4, 3\)"),
+    "from_local_run-local-wrong-size": (lambda m: from_local_run(torch.ones(11), m, [ROWS], (4, 3)), ValueError,
+                                        r"run of 12 elements, but its local tensor has shape \(11,\)"),
+    "from_local_run-local-non-contiguous": (lambda m: from_local_run(torch.ones(24)[::2], m, [ROWS], (4, 3)),
+                                            ValueError, r"local tensor has shape \(12,\) and"),
+    "local_shaped-dtensor-plain-tensor": (lambda m: local_shaped(torch.ones(3)), TypeError,
+                                          r"dtensor must be a DTensor, got Tensor"),
+    "redistribute_many-lengths-differ": (lambda m: redistribute_many([_ragged(m)], [[Replicate()], [Replicate()]]),
+                                         ValueError, r"got 1 dtensors but 2 placements"),
+    "redistribute_many-placements-two": (lambda m: redistribute_many([_ragged(m)], [[Replicate(), Replicate()]]),
+                                         ValueError, r"tensor 0 must be on the first tensor's 1-D mesh"),
+    "redistribute_many-tensor-plain": (lambda m: redistribute_many([_ragged(m), _full()], [[Replicate()]] * 2),
+                                       TypeError, r"tensor 1 must be a DTensor, got Tensor"),
+}
+
+
+def run_case(case_id: str) -> tuple[str, str] | None:
+    """Run one case on this rank; the raised exception's type name and message, or None."""
+    build = CASES[case_id][0]
+    try:
+        build(device_mesh(1))
+    except Exception as exc:  # the assertion happens in the test, on the parent side
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_bad_input_names_the_argument(ranks: Any, case_id: str) -> None:
+    _, error, message = CASES[case_id]
+    (raised,) = ranks.run(1, run_case, case_id)
+    assert raised is not None, f"{case_id}: no error"
+    assert raised[0] == error.__name__, raised
+    with pytest.raises(error, match=message):
+        raise error(raised[1])
