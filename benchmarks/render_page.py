@@ -178,6 +178,9 @@ def render(report: dict[str, Any], docs: Path) -> Path:
         f"- Wall time: {report['wall_s']['total'] / 60:.1f} min", "",
         "Ratios are ours / the reference: below 1 is better for us.", "",
     ]
+    if report.get("settings"):
+        lines += ['??? note "Each script\'s settings in this run"']
+        lines += [f"    - `{key}`: `{cmd}`" for key, cmd in report["settings"].items()] + [""]
     if report.get("failed"):
         lines += ["Benchmarks that failed in this run: "
                   + ", ".join(f"`{k}`" for k in report["failed"]) + ".", ""]

@@ -71,7 +71,7 @@ def _train_jobs() -> list[Job]:
             extra = ("--world-size", str(world)) + (("--moe",) if model == "moe" else ())
             jobs.append(Job(f"train_step_{model}_ws{world}", "train_step.py",
                             ("--layers", "2", "--seq", "64", "--batch-per-rank", "2",
-                             "--steps", "3", "--warmup", "1", "--rounds", "1") + extra,
+                             "--steps", "4", "--warmup", "1", "--rounds", "2") + extra,
                             ("--layers", "1", "--seq", "16", "--batch-per-rank", "1",
                              "--steps", "1", "--warmup", "1", "--rounds", "1") + extra))
     return jobs
@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
         "note": "CPU gloo ranks, one thread each, on a shared 2-core machine: timings are noisy "
                 "and are not GPU figures; ratios compare systems measured in the same run.",
         "wall_s": {"total": time.perf_counter() - start, **walls},
+        "settings": {job.key: f"{job.script} {' '.join(job.quick_args if args.quick else job.args)}"
+                     for name in names if name in BENCHMARKS for job in BENCHMARKS[name]
+                     if not (args.quick and job.full_only)},
         "failed": failed,
         "ratios": ratios(results, padding),
         "benchmarks": results,

@@ -98,6 +98,7 @@ def test_ratios_and_page(tmp_path: Path) -> None:
 
     report = {"when": "2026-01-01T00:00:00+00:00", "command": "python benchmarks/run_all.py",
               "quick": False, "wall_s": {"total": 600.0}, "failed": {"optim_muon": "boom"},
+              "settings": {"dbuffer": "dbuffer.py --iters 10"},
               "machine": {"platform": "Linux", "cpu_count": 2, "python": "3.12", "torch": "2.13"},
               "ratios": ratios}
     page = render_page.render(report, tmp_path).read_text()
@@ -105,7 +106,7 @@ def test_ratios_and_page(tmp_path: Path) -> None:
     assert "| dense | fp32 | 2 | 180.0 | 200.0 | 0.90 | 80.0 | 100.0 | 0.80 | 1.00 | 4.00 |" in page
     llama = padding["llama3-8b"]["1024"]
     assert f"| llama3-8b | 1024 | {100 * llama['ours']:.2f}% | {100 * llama['single_plan']:.2f}% |" in page
-    assert "`optim_muon`" in page
+    assert "`optim_muon`" in page and "`dbuffer.py --iters 10`" in page
     for name in ("step_time_ratio", "memory_ratio", "padding"):
         png = tmp_path / "img" / "benchmarks" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
