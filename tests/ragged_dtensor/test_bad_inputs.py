@@ -10,6 +10,7 @@ raise_on_any_rank's consensus (test_consensus.py).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -71,7 +72,7 @@ def run_case(case_id: str) -> tuple[str, str] | None:
     try:
         build(device_mesh(1))
     except Exception as exc:  # the assertion happens in the test, on the parent side
-        return type(exc).__name__, str(exc)
+        return type(exc).__name__, exc.args[0] if isinstance(exc, KeyError) else str(exc)
     return None
 
 
@@ -81,5 +82,4 @@ def test_bad_input_names_the_argument(ranks: Any, case_id: str) -> None:
     (raised,) = ranks.run(1, run_case, case_id)
     assert raised is not None, f"{case_id}: no error"
     assert raised[0] == error.__name__, raised
-    with pytest.raises(error, match=message):
-        raise error(raised[1])
+    assert re.search(message, raised[1]), raised

@@ -46,6 +46,12 @@ from dbuffer.topology import Topology
 ReduceOp = Literal["avg", "sum"]
 
 
+def _check_plan_type(plan: object) -> None:
+    """Raise a TypeError naming ``plan`` when it is not a Plan (checked before any collective)."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a layout_planner.Plan, got {type(plan).__name__}")
+
+
 class DBuffer:
     """Sharded and unsharded parameters and gradients of one FSDP group, zero-copy.
 
@@ -91,6 +97,7 @@ class DBuffer:
                input_error: BaseException | None = None) -> None:
         """The constructor's body; ``input_error`` (from :meth:`from_tensors`) rides the same
         single construction check as the local errors."""
+        _check_plan_type(plan)
         self.plan = plan
         self.topology = Topology.resolve(group)
         self.device = torch.device(device)
@@ -162,9 +169,13 @@ class DBuffer:
             ValueError: when the names or sizes do not match the plan (on every rank, through
                 the construction check: still one small collective).
         """
+        _check_plan_type(plan)
         names = {e.name for e in plan.entries}
-        error: ValueError | None = None
-        if set(named_full_tensors) != names:
+        error: BaseException | None = None
+        if not isinstance(named_full_tensors, Mapping):
+            error = TypeError(f"named_full_tensors must be a mapping of name to tensor, got "
+                              f"{type(named_full_tensors).__name__}")
+        elif set(named_full_tensors) != names:
             missing = sorted(names - set(named_full_tensors))
             extra = sorted(set(named_full_tensors) - names)
             error = ValueError(f"named_full_tensors must hold exactly the plan's tensors: "
@@ -172,6 +183,10 @@ class DBuffer:
         else:
             for entry in plan.entries:
                 t = named_full_tensors[entry.name]
+                if not isinstance(t, torch.Tensor):
+                    error = TypeError(f"tensor {entry.name!r}: expected a torch.Tensor, got "
+                                      f"{type(t).__name__}")
+                    break
                 if t.numel() != entry.numel or (entry.shape is not None
                                                  and tuple(t.shape) != tuple(entry.shape)):
                     error = ValueError(f"tensor {entry.name!r}: shape {tuple(t.shape)} does not "
@@ -484,9 +499,9 @@ class DBuffer:
         self._check_trainable(name)
         if self.grad_is_view(name, grad):
             return
-        if isinstance(grad, DTensor):
+        if isinstance(grad, DTensor) or not isinstance(grad, torch.Tensor):
             raise TypeError(f"fold_grad({name!r}): expected the unsharded gradient as a plain "
-                            "tensor, got a DTensor")
+                            f"tensor, got a {type(grad).__name__}")
         if tuple(grad.shape) != self._shape(name):
             raise ValueError(f"fold_grad({name!r}): gradient of shape {tuple(grad.shape)} for "
                              f"a tensor of shape {self._shape(name)}")

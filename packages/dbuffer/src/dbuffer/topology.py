@@ -53,6 +53,9 @@ class Topology:
             if group.ndim == 2:
                 return cls(group.get_group(1), group.get_group(0), group)
             raise ValueError(f"group: a DBuffer mesh has 1 or 2 dimensions, got {group.ndim}")
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be None, a ProcessGroup or a DeviceMesh, got "
+                            f"{type(group).__name__}")
         return cls(group)
 
     @property
