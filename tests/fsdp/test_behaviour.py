@@ -355,3 +355,41 @@ def test_accumulation_without_sync_keeps_reduce_dtype_precision(ranks):
         assert ours[name].dtype == torch.float32
         # FSDP2 sums the micro-batch gradients in fp32; summing in bf16 errs by ~1e-3 relative
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7)
+
+
+class _WeightNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer1 = nn.Linear(3, 3, bias=False)
+        self.layer2 = nn.Linear(3, 3, bias=False)
+        self.weight_norm = nn.Parameter(torch.empty(3))
+
+    def init_weight_norm(self) -> None:
+        with torch.no_grad():
+            norm = torch.linalg.norm(self.layer1.weight, dim=1) + torch.linalg.norm(
+                self.layer2.weight, dim=1)
+        self.weight_norm = nn.Parameter(norm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer2(self.layer1(x)).sum() + self.weight_norm.sum()
+
+
+def _assigned_after_sharding(impl: str) -> dict[str, torch.Tensor]:
+    api = import_fsdp(impl)
+    mesh = device_mesh(dist.get_world_size())
+    torch.manual_seed(0)
+    model = _WeightNorm()
+    api.fully_shard(model.layer1, mesh=mesh)
+    api.fully_shard(model.layer2, mesh=mesh)
+    api.fully_shard(model, mesh=mesh)
+    model.init_weight_norm()  # replaces the registered (sharded) parameter with a plain one
+    model(torch.ones(2, 3)).backward()
+    return {n: full(p) for n, p in model.named_parameters()}
+
+
+def test_parameter_assigned_after_sharding_is_taken_in_like_fsdp2(ranks):
+    ours = ranks.run(2, _assigned_after_sharding, "fsdp")[0]
+    theirs = ranks.run(2, _assigned_after_sharding, "torch")[0]
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name

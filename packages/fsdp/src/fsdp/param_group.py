@@ -25,6 +25,7 @@ import torch.nn as nn
 from dbuffer import CollectiveHandle, DBuffer, kernels
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from fsdp.buffers import make_buffer, sharded_parameter
@@ -191,6 +192,28 @@ class FSDPParamGroup:
                     "load) before forward")
             del self._uninitialised[id(buffer)]
 
+    def _adopt_assigned_params(self) -> None:
+        """Take in parameters the user assigned after ``fully_shard``
+        (``module.weight = nn.Parameter(t)``, e.g. an init computed from other weights): copy
+        this rank's run of the new values into the buffer and register the sharded parameter
+        again, as FSDP2 does, instead of silently dropping the assignment."""
+        for p in self.params:
+            for module, attr in p.slots:
+                current = module._parameters.get(attr)
+                if current is p.sharded or current is None:
+                    continue
+                value = current.detach()
+                local = p.buffer.local_view(p.name)
+                with torch.no_grad():
+                    if isinstance(value, DTensor) and value.placements == p.sharded.placements:
+                        local.copy_(value.to_local().reshape(-1))
+                    else:
+                        if isinstance(value, DTensor):
+                            value = value.full_tensor()
+                        start, end = p.buffer.plan.local_range(p.name, p.buffer.rank)
+                        local.copy_(value.reshape(-1)[start:end])
+                p.register(p.sharded)
+
     def unshard(self, async_op: bool = False) -> None:
         """Start the all-gather of every buffer in place (a no-op when already unsharded or
         gathering). With ``async_op`` the collectives overlap whatever runs until
@@ -202,6 +225,7 @@ class FSDPParamGroup:
         """
         if self._gathers is not None or self.is_unsharded:
             return
+        self._adopt_assigned_params()
         if self._uninitialised:
             self._check_initialised()
         if not self.config.unshard_in_backward and self.training_state == TrainingState.PRE_BACKWARD:
