@@ -8,6 +8,7 @@ parameter; the math itself runs on the local tensors, which never need communica
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -53,6 +54,13 @@ def _named_group(group: Mapping[str, Any], g: int) -> Iterator[tuple[str, torch.
     names = group.get("param_names")
     for i, p in enumerate(group["params"]):
         yield (names[i] if names else f"group{g}.param{i}"), p
+
+
+def is_number(value: object) -> bool:
+    """A real number or a one-element tensor (torch takes a tensor ``lr``): range checks compare
+    only these, so a hyper-parameter of another type fails its check by name instead of raising
+    a bare comparison ``TypeError``."""
+    return isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.numel() == 1)
 
 
 Check = tuple[str, bool, str]

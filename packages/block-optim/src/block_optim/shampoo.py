@@ -24,7 +24,7 @@ from block_optim import adam_math
 from block_optim.matrix_owners import MatrixPiece
 from block_optim.matrix_roots import inverse_root
 from block_optim.matrix_scheduler import MatrixScheduler
-from block_optim.param_state import Check, MatrixOptimizer, local, named_params, zeros_like_param
+from block_optim.param_state import Check, MatrixOptimizer, is_number, local, named_params, zeros_like_param
 from block_optim.pending_step import PendingStep
 
 GRAFTINGS = ("none", "sgd", "adam")
@@ -142,17 +142,18 @@ class Shampoo(MatrixOptimizer):
         """
         betas = group["betas"]
         return [
-            ("lr", group["lr"] >= 0, "must be >= 0"),
-            ("betas", len(betas) == 2 and all(0 <= b < 1 for b in betas), "must be two floats in [0, 1)"),
-            ("eps", group["eps"] > 0, "must be > 0"),
-            ("weight_decay", group["weight_decay"] >= 0, "must be >= 0"),
+            ("lr", is_number(group["lr"]) and group["lr"] >= 0, "must be >= 0"),
+            ("betas", len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas),
+             "must be two floats in [0, 1)"),
+            ("eps", is_number(group["eps"]) and group["eps"] > 0, "must be > 0"),
+            ("weight_decay", is_number(group["weight_decay"]) and group["weight_decay"] >= 0, "must be >= 0"),
             ("max_preconditioner_dim", isinstance(group["max_preconditioner_dim"], int)
              and group["max_preconditioner_dim"] >= 1, "must be an int >= 1"),
             ("precondition_frequency", isinstance(group["precondition_frequency"], int)
              and group["precondition_frequency"] >= 1, "must be an int >= 1"),
             ("start_preconditioning_step", isinstance(group["start_preconditioning_step"], int)
              and group["start_preconditioning_step"] >= 1, "must be an int >= 1"),
-            ("epsilon", group["epsilon"] >= 0, "must be >= 0"),
+            ("epsilon", is_number(group["epsilon"]) and group["epsilon"] >= 0, "must be >= 0"),
             ("grafting", group["grafting"] in GRAFTINGS, f"must be one of {GRAFTINGS}"),
             ("preconditioner_dtype", group["preconditioner_dtype"] in (torch.float32, torch.float64),
              "must be torch.float32 or torch.float64"),
