@@ -159,6 +159,15 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _check_arguments(model: object, optimizer: object) -> None:
+    """Name a ``model`` or ``optimizer`` of the wrong type before anything is written or read
+    (the same on every rank, so every rank raises)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+
+
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """The sharded state dict DCP saves and loads: ``{"model": ..., "optim": ...}``."""
     if optimizer is None:
@@ -240,6 +249,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             JSON-serialisable (on every rank).
         FileExistsError: if ``<path>/step_<step>`` already exists (nothing is overwritten).
     """
+    _check_arguments(model, optimizer)
     root = Path(path)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise_on_any_rank(ValueError(f"save: step must be an int >= 0, got {step!r}"))
@@ -381,6 +391,7 @@ def load(path: str | os.PathLike, model: nn.Module,
             missing, unknown or of another shape) or holds no optimizer state. Every error is
             raised on every rank, before anything is loaded.
     """
+    _check_arguments(model, optimizer)
     error: BaseException | None = None
     state = _state(model, optimizer)
     try:

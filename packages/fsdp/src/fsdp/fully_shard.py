@@ -107,6 +107,14 @@ def fully_shard(
             f"reshard_after_forward={reshard_after_forward!r}: resharding to a smaller world "
             "size after forward (an int) is not supported; pass True, False or None")
     mesh = mesh or _default_mesh()
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got "
+                        f"{type(mp_policy).__name__}")
+    if unit_policy is not None and not callable(unit_policy):
+        raise TypeError(f"fully_shard: unit_policy must be callable as unit_policy(name, param) "
+                        f"-> int, got {type(unit_policy).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
@@ -333,8 +341,12 @@ class FSDPModule:
         Args:
             factor: the divisor.
         """
+        try:
+            value = float(factor)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"set_gradient_divide_factor: factor must be a number, got {factor!r}") from None
         for group in self._get_fsdp_state().groups:
-            group.config.gradient_divide_factor = float(factor)
+            group.config.gradient_divide_factor = value
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated FSDP2 name of :meth:`set_gradient_divide_factor`.
@@ -425,6 +437,9 @@ class FSDPModule:
 
 
 def _check_fsdp_modules(modules: list[Any]) -> None:
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"modules must be a list of modules fully_shard was applied to, got "
+                        f"{type(modules).__name__}")
     for m in modules:
         if not isinstance(m, FSDPModule):
             raise ValueError(f"expected a module fully_shard was applied to, got {type(m).__name__}")
