@@ -248,6 +248,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         ValueError: for a negative ``step``, ``keep_last < 1`` or an ``extra`` that is not
             JSON-serialisable (on every rank).
         FileExistsError: if ``<path>/step_<step>`` already exists (nothing is overwritten).
+        TypeError: for a ``model`` or ``optimizer`` of the wrong type (before anything is
+            written).
     """
     _check_arguments(model, optimizer)
     root = Path(path)
@@ -385,6 +387,7 @@ def load(path: str | os.PathLike, model: nn.Module,
         ``(step, extra)`` as given to :func:`save`.
 
     Raises:
+        TypeError: for a ``model`` or ``optimizer`` of the wrong type.
         FileNotFoundError: if ``path`` holds no complete checkpoint, or a file of it is
             missing (truncated).
         KeyError, ValueError: if the checkpoint was saved from another model (a parameter

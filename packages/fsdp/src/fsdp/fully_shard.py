@@ -87,6 +87,8 @@ def fully_shard(
         NotImplementedError: for DTensor (tensor-parallel) parameters, an ``int``
             ``reshard_after_forward``, or CPU offload of a
             mesh that is not on CPU.
+        TypeError: for a ``module``, ``mesh``, ``mp_policy`` or ``unit_policy`` of the
+            wrong type, naming it.
     """
     modules = tuple(module) if isinstance(module, list) else (module,)
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
