@@ -19,7 +19,10 @@ scripts' own JSON goes into ``all.json`` under ``benchmarks`` and every headline
 Scripts that write a fixed result file get it back as it was, so the committed per-script
 figures (taken with their full default settings) stay as they are.
 
-    python benchmarks/run_all.py [--quick] [--only NAME ...] [--no-render]
+    python benchmarks/run_all.py [--quick] [--only NAME ...] [--no-render] [--out PATH]
+
+``--quick`` writes its JSON to the temporary folder and renders no page, so a smoke run never
+replaces the committed figures.
 """
 
 from __future__ import annotations
@@ -219,13 +222,16 @@ def ratios(results: dict[str, Any], padding: dict[str, Any] | None) -> dict[str,
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, few steps")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: tiny sizes, few steps; JSON to the temp folder, no page")
     parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS) + ["padding"],
                         help="run only these benchmarks (default: all, padding sweep included)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"default {RESULTS.relative_to(HERE.parent)} (--quick: the temp folder)")
     parser.add_argument("--no-render", action="store_true", help="skip docs/benchmarks.md and plots")
     args = parser.parse_args(argv)
     names = args.only or [*BENCHMARKS, "padding"]
+    out = args.out or (Path(tempfile.gettempdir()) / "all_quick.json" if args.quick else RESULTS)
 
     start = time.perf_counter()
     results: dict[str, Any] = {}
@@ -263,10 +269,10 @@ def main(argv: list[str] | None = None) -> None:
         "ratios": ratios(results, padding),
         "benchmarks": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"[run_all] wrote {args.out} in {report['wall_s']['total']:.0f} s")
-    if not args.no_render:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"[run_all] wrote {out} in {report['wall_s']['total']:.0f} s")
+    if not (args.no_render or args.quick):
         from render_page import render
 
         render(report, HERE.parent / "docs")
