@@ -1,4 +1,4 @@
-"""Bad-input table for block_optim's public entry points (issue 10): 20 invalid inputs.
+"""Bad-input table for block_optim's public entry points (issue 10): 25 invalid inputs.
 
 Single-process cases asserting the exception type and a message naming the hyper-parameter or
 parameter at fault. Not repeated here: out-of-range hyper-parameters of every optimizer and 4-D
@@ -64,6 +64,13 @@ CASES: list[tuple[str, Callable[[], object], type[BaseException], str]] = [
      r"non-finite values in the gradient of parameter 'weight'"),
     ("shampoo-grad-inf-3d-stack", lambda: _step_stack(Shampoo, math.inf, **SHAMPOO_NOW), ValueError,
      r"gradient of parameter 'group0.param0' \(matrix 1, 3x3"),
+    ("muon-adamw_betas-scalar", lambda: Muon([_p(3, 3)], adamw_betas=0.9), ValueError,
+     r"Muon: adamw_betas must be two floats in \[0, 1\), got 0.9"),
+    ("muon-ns_coefficients-scalar", lambda: Muon([_p(3, 3)], ns_coefficients=3.0), ValueError,
+     r"Muon: ns_coefficients must be three floats"),
+    ("shampoo-betas-scalar", lambda: Shampoo([_p(3, 3)], betas=0.9), ValueError, r"Shampoo: betas must be two"),
+    ("adamw8bit-betas-scalar", lambda: AdamW8bit([_p(3, 3)], betas=0.9), ValueError, r"AdamW8bit: betas must be"),
+    ("adamw8bit-betas-str", lambda: AdamW8bit([_p(3, 3)], betas=("a", "b")), ValueError, r"AdamW8bit: betas must"),
     ("adamw8bit-lr-str", lambda: AdamW8bit([_p(3, 3)], lr="x"), ValueError, r"AdamW8bit: lr must be a float"),
     ("adamw8bit-betas-one", lambda: AdamW8bit([_p(3, 3)], betas=(0.9,)), ValueError, r"AdamW8bit: betas must be"),
 ]

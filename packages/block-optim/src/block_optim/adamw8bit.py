@@ -38,7 +38,15 @@ from ragged_dtensor import (
 from block_optim.adamw8bit_kernels import adamw8bit_step_
 from block_optim.adamw8bit_math import AdamWScalars, QuantizedMoments, adamw_fp32_step_
 from block_optim.alignment import aligned_cuts, cuts_on_units, placements_for, warn_once
-from block_optim.param_state import check_hyperparameters, local, named_params, zeros_like_param
+from block_optim.param_state import (
+    as_tuple,
+    check_hyperparameters,
+    is_number,
+    is_sequence,
+    local,
+    named_params,
+    zeros_like_param,
+)
 from block_optim.quantization import BLOCK_SIZE, dynamic_map, num_blocks, quantize_blockwise
 
 MIN_8BIT_NUMEL = 4096
@@ -72,7 +80,7 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
     betas = group["betas"]
     checks = [
         ("lr", isinstance(group["lr"], (int, float)) and group["lr"] >= 0, "must be a float >= 0"),
-        ("betas", len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas),
+        ("betas", is_sequence(betas, 2) and all(is_number(b) and 0.0 <= b < 1.0 for b in betas),
          "must be two floats in [0, 1)"),
         ("eps", group["eps"] > 0, "must be > 0"),
         ("weight_decay", group["weight_decay"] >= 0, "must be >= 0"),
@@ -132,7 +140,7 @@ class AdamW8bit(torch.optim.Optimizer):
         self.min_8bit_numel = min_8bit_numel
         self._layouts: dict[torch.Tensor, _Layout] = {}
         self._maps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        defaults = {"lr": lr, "betas": as_tuple(betas), "eps": eps, "weight_decay": weight_decay}
         _check_hyperparameters(defaults)
         super().__init__(params, defaults)
 

@@ -18,7 +18,16 @@ from block_optim import adam_math
 from block_optim.matrix_owners import MatrixPiece
 from block_optim.matrix_scheduler import MatrixScheduler
 from block_optim.newton_schulz import DEFAULT_EPS, DEFAULT_STEPS, QUINTIC, newton_schulz, newton_schulz_flops
-from block_optim.param_state import Check, MatrixOptimizer, is_number, local, named_params, zeros_like_param
+from block_optim.param_state import (
+    Check,
+    MatrixOptimizer,
+    as_tuple,
+    is_number,
+    is_sequence,
+    local,
+    named_params,
+    zeros_like_param,
+)
 from block_optim.pending_step import PendingStep
 
 SCALINGS = ("original", "match_rms_adamw")
@@ -113,9 +122,9 @@ class Muon(MatrixOptimizer):
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), eps=eps,
+            ns_steps=ns_steps, ns_coefficients=as_tuple(ns_coefficients), eps=eps,
             ns_dtype=_dtype_name(ns_dtype),
-            scaling=scaling, use_muon=None, adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas),
+            scaling=scaling, use_muon=None, adamw_lr=adamw_lr, adamw_betas=as_tuple(adamw_betas),
             adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
         )
         self.sync_nonfinite_check = sync_nonfinite_check
@@ -151,13 +160,13 @@ class Muon(MatrixOptimizer):
             ("momentum", is_number(group["momentum"]) and 0 <= group["momentum"] < 1, "must be in [0, 1)"),
             ("weight_decay", is_number(group["weight_decay"]) and group["weight_decay"] >= 0, "must be >= 0"),
             ("ns_steps", isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1, "must be an int >= 1"),
-            ("ns_coefficients", len(group["ns_coefficients"]) == 3, "must be three floats (a, b, c)"),
+            ("ns_coefficients", is_sequence(group["ns_coefficients"], 3), "must be three floats (a, b, c)"),
             ("eps", is_number(group["eps"]) and group["eps"] > 0, "must be > 0"),
             ("ns_dtype", _ns_dtype(group) is not None, "must be a floating torch.dtype"),
             ("scaling", group["scaling"] in SCALINGS, f"must be one of {SCALINGS}"),
             ("use_muon", group["use_muon"] in (None, True, False), "must be None, True or False"),
             ("adamw_lr", is_number(group["adamw_lr"]) and group["adamw_lr"] >= 0, "must be >= 0"),
-            ("adamw_betas", len(group["adamw_betas"]) == 2
+            ("adamw_betas", is_sequence(group["adamw_betas"], 2)
              and all(is_number(b) and 0 <= b < 1 for b in group["adamw_betas"]),
              "must be two floats in [0, 1)"),
             ("adamw_eps", is_number(group["adamw_eps"]) and group["adamw_eps"] > 0, "must be > 0"),

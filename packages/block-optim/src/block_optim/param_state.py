@@ -9,7 +9,7 @@ parameter; the math itself runs on the local tensors, which never need communica
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +61,19 @@ def is_number(value: object) -> bool:
     only these, so a hyper-parameter of another type fails its check by name instead of raising
     a bare comparison ``TypeError``."""
     return isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+
+
+def as_tuple(value: object) -> object:
+    """``tuple(value)`` for an iterable hyper-parameter (betas, coefficients); anything else
+    unchanged, so that its group check names it instead of ``tuple()`` raising a bare error."""
+    return tuple(value) if isinstance(value, Iterable) else value
+
+
+def is_sequence(value: object, length: int) -> bool:
+    """``value`` is a sequence (or 1-D tensor) of ``length`` items: betas or coefficients."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 1 and len(value) == length
+    return isinstance(value, Sequence) and len(value) == length
 
 
 Check = tuple[str, bool, str]

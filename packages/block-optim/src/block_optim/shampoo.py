@@ -24,7 +24,16 @@ from block_optim import adam_math
 from block_optim.matrix_owners import MatrixPiece
 from block_optim.matrix_roots import inverse_root
 from block_optim.matrix_scheduler import MatrixScheduler
-from block_optim.param_state import Check, MatrixOptimizer, is_number, local, named_params, zeros_like_param
+from block_optim.param_state import (
+    Check,
+    MatrixOptimizer,
+    as_tuple,
+    is_number,
+    is_sequence,
+    local,
+    named_params,
+    zeros_like_param,
+)
 from block_optim.pending_step import PendingStep
 
 GRAFTINGS = ("none", "sgd", "adam")
@@ -93,7 +102,7 @@ class Shampoo(MatrixOptimizer):
         preconditioner_dtype: torch.dtype = torch.float32,
     ) -> None:
         defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+            lr=lr, betas=as_tuple(betas), eps=eps, weight_decay=weight_decay,
             max_preconditioner_dim=max_preconditioner_dim, precondition_frequency=precondition_frequency,
             start_preconditioning_step=start_preconditioning_step, epsilon=epsilon, grafting=grafting,
             preconditioner_dtype=preconditioner_dtype,
@@ -143,7 +152,7 @@ class Shampoo(MatrixOptimizer):
         betas = group["betas"]
         return [
             ("lr", is_number(group["lr"]) and group["lr"] >= 0, "must be >= 0"),
-            ("betas", len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas),
+            ("betas", is_sequence(betas, 2) and all(is_number(b) and 0 <= b < 1 for b in betas),
              "must be two floats in [0, 1)"),
             ("eps", is_number(group["eps"]) and group["eps"] > 0, "must be > 0"),
             ("weight_decay", is_number(group["weight_decay"]) and group["weight_decay"] >= 0, "must be >= 0"),
