@@ -1,4 +1,4 @@
-"""Bad-input table for ragged_dtensor's public entry points (issue 10): 18 invalid inputs.
+"""Bad-input table for ragged_dtensor's public entry points (issue 10): 19 invalid inputs.
 
 Each case runs on a world-size-1 gloo rank (the entry points need a mesh) and asserts the
 exception type and a message naming the argument or tensor at fault. Not repeated here:
@@ -18,7 +18,14 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate
 
-from ragged_dtensor import RaggedShard, distribute_tensor, from_local_run, local_shaped, redistribute_many
+from ragged_dtensor import (
+    RaggedShard,
+    distribute_tensor,
+    from_local_run,
+    local_shaped,
+    raise_on_any_rank,
+    redistribute_many,
+)
 from tests.harness import device_mesh
 
 ROWS = RaggedShard((0,), [1])
@@ -63,6 +70,8 @@ CASES: dict[str, tuple[Callable[[Any], object], type[BaseException], str]] = {
                                          ValueError, r"tensor 0 must be on the first tensor's 1-D mesh"),
     "redistribute_many-tensor-plain": (lambda m: redistribute_many([_ragged(m), _full()], [[Replicate()]] * 2),
                                        TypeError, r"tensor 1 must be a DTensor, got Tensor"),
+    "raise_on_any_rank-error-str": (lambda m: raise_on_any_rank("oops"), TypeError,
+                                    r"raise_on_any_rank: error must be an exception or None, got str 'oops'"),
 }
 
 

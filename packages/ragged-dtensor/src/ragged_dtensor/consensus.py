@@ -62,6 +62,10 @@ def raise_on_any_rank(error: BaseException | None, group: dist.ProcessGroup | No
         BaseException: the consensus error, when any rank passed one.
         ValueError: when the ranks' ``agree_on`` values differ (and no rank passed an error).
     """
+    if error is not None and not isinstance(error, BaseException):
+        # still goes through the collective, so every rank raises it
+        error = TypeError(f"raise_on_any_rank: error must be an exception or None, got "
+                          f"{type(error).__name__} {error!r}")
     if not dist.is_available() or not dist.is_initialized():
         if error is not None:
             raise error
