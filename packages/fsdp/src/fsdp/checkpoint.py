@@ -159,9 +159,11 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _check_arguments(model: object, optimizer: object) -> None:
-    """Name a ``model`` or ``optimizer`` of the wrong type before anything is written or read
-    (the same on every rank, so every rank raises)."""
+def _check_arguments(path: object, model: object, optimizer: object) -> None:
+    """Name a ``path``, ``model`` or ``optimizer`` of the wrong type before anything is written
+    or read (the same on every rank, so every rank raises)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -248,10 +250,10 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         ValueError: for a negative ``step``, ``keep_last < 1`` or an ``extra`` that is not
             JSON-serialisable (on every rank).
         FileExistsError: if ``<path>/step_<step>`` already exists (nothing is overwritten).
-        TypeError: for a ``model`` or ``optimizer`` of the wrong type (before anything is
-            written).
+        TypeError: for a ``path``, ``model`` or ``optimizer`` of the wrong type (before
+            anything is written).
     """
-    _check_arguments(model, optimizer)
+    _check_arguments(path, model, optimizer)
     root = Path(path)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise_on_any_rank(ValueError(f"save: step must be an int >= 0, got {step!r}"))
@@ -387,14 +389,14 @@ def load(path: str | os.PathLike, model: nn.Module,
         ``(step, extra)`` as given to :func:`save`.
 
     Raises:
-        TypeError: for a ``model`` or ``optimizer`` of the wrong type.
+        TypeError: for a ``path``, ``model`` or ``optimizer`` of the wrong type.
         FileNotFoundError: if ``path`` holds no complete checkpoint, or a file of it is
             missing (truncated).
         KeyError, ValueError: if the checkpoint was saved from another model (a parameter
             missing, unknown or of another shape) or holds no optimizer state. Every error is
             raised on every rank, before anything is loaded.
     """
-    _check_arguments(model, optimizer)
+    _check_arguments(path, model, optimizer)
     error: BaseException | None = None
     state = _state(model, optimizer)
     try:
