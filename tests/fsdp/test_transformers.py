@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.docs_pages import python_blocks
+from tests.docs_pages import exec_source, python_blocks
 from tests.fsdp.models import full, import_fsdp, max_loss_error, max_param_error
 from tests.fsdp.test_block_optim_parity import LOSS_ABS, PARAM_ABS
 from tests.fsdp.test_block_optim_parity import SLACK as MUON_SLACK
@@ -151,14 +151,7 @@ def test_hf_model_matches_one_process(ranks, arch: str, optimizer: str) -> None:
         assert theirs <= 1e-2, (key, theirs)
 
 
-def _run_page(blocks: list[str]) -> int:
-    namespace: dict[str, object] = {"__name__": "real_models_docs"}
-    for index, block in enumerate(blocks):
-        exec(compile(block, f"docs/{PAGE}[{index}]", "exec"), namespace)  # noqa: S102 - our docs
-    return len(blocks)
-
-
 def test_real_models_page_runs_on_two_ranks(ranks) -> None:
     blocks = python_blocks(PAGE)
     assert blocks
-    assert ranks.run(2, _run_page, blocks, timeout=TIMEOUT_S) == [len(blocks)] * 2
+    assert ranks.run(2, exec_source, "\n".join(blocks), PAGE, timeout=TIMEOUT_S) == [True, True]
