@@ -104,30 +104,15 @@ def _dbuffer_side(shapes: dict[str, tuple[int, ...]], compute: torch.dtype | Non
 
 # ------------------------------------------------------------------------------- FSDP2 side
 def _fsdp2_side(shapes: dict[str, tuple[int, ...]], compute: torch.dtype | None) -> Any:
+    from fsdp2_scoped import ScopedAllGather, ScopedReduceScatter
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-        DefaultAllGather,
-        DefaultReduceScatter,
         foreach_all_gather,
         foreach_all_gather_copy_out,
         foreach_reduce,
     )
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-    from torch.profiler import record_function
-
-    class ScopedAllGather(DefaultAllGather):
-        """FSDP2's default all-gather, inside a ``comm:`` scope so that the copies gloo makes
-        while it runs are attributed to the backend, as for DBuffer."""
-
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            with record_function("comm:all_gather"):
-                return super().__call__(*args, **kwargs)
-
-    class ScopedReduceScatter(DefaultReduceScatter):
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            with record_function("comm:reduce_scatter"):
-                return super().__call__(*args, **kwargs)
 
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     module = _Layer(_full_tensors(shapes))

@@ -186,22 +186,8 @@ def _loss(model: nn.Module, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
 def _scope_fsdp2_collectives(model: nn.Module) -> None:
     """Put FSDP2's collectives inside ``comm:`` profiler scopes, as DBuffer's are, so the copies
     gloo makes while completing them count as backend copies on both sides."""
+    from fsdp2_scoped import ScopedAllGather, ScopedReduceScatter
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-        DefaultAllGather,
-        DefaultReduceScatter,
-    )
-    from torch.profiler import record_function
-
-    class ScopedAllGather(DefaultAllGather):
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            with record_function("comm:all_gather"):
-                return super().__call__(*args, **kwargs)
-
-    class ScopedReduceScatter(DefaultReduceScatter):
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            with record_function("comm:reduce_scatter"):
-                return super().__call__(*args, **kwargs)
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
