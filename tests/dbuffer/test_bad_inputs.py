@@ -1,4 +1,4 @@
-"""Bad-input table for dbuffer's public entry points (issue 10): 20 invalid inputs.
+"""Bad-input table for dbuffer's public entry points (issue 10): 22 invalid inputs.
 
 Each case runs on a world-size-1 gloo rank (construction is collective) and asserts the
 exception type and a message naming the argument or tensor at fault. Not repeated here:
@@ -39,6 +39,10 @@ CASES: dict[str, tuple[Callable[[], object], type[BaseException], str]] = {
     "init-group-str": (lambda: DBuffer(PLAN, "world"), TypeError, r"group must be None, a ProcessGroup or a Device"),
     "init-device-unknown": (lambda: DBuffer(PLAN, device="nodevice"), RuntimeError, r"device string: nodevice"),
     "init-dtype-str": (lambda: DBuffer(PLAN, dtype="float32"), TypeError, r"dtype: dtype float32 is not supported"),
+    "init-requires_grad-str": (lambda: DBuffer(PLAN, requires_grad="a"), TypeError,
+                               r"requires_grad must be None or a collection of tensor names \(str\), got str 'a'"),
+    "init-requires_grad-int": (lambda: DBuffer(PLAN, requires_grad=3), TypeError,
+                               r"requires_grad must be None or a collection of tensor names \(str\), got int 3"),
     "init-reduce_dtype-int8": (lambda: DBuffer(PLAN, reduce_dtype=torch.int8), TypeError,
                                r"reduce_dtype: dtype torch.int8 is not supported"),
     "from_tensors-plan-dict": (lambda: DBuffer.from_tensors({}, {"a": 1}), TypeError, r"plan must be a layout_pl"),

@@ -1,4 +1,4 @@
-"""Bad-input table for fsdp's public entry points (issue 10): 29 invalid inputs.
+"""Bad-input table for fsdp's public entry points (issue 10): 30 invalid inputs.
 
 Each case runs on a world-size-1 gloo rank and asserts the exception type and a message naming
 the argument at fault; the checkpoint cases also check that the checkpoint saved before them is
@@ -116,6 +116,8 @@ CASES: dict[str, tuple[Callable[[Path], object], type[BaseException], str]] = {
                                     FileNotFoundError, r"\.metadata is neither an fsdp checkpoint"),
     "checkpoint.read_info-path-a-root": (_ckpt(lambda c, root: c.read_info(root)), FileNotFoundError,
                                          r"is not an fsdp checkpoint"),
+    "checkpoint.read_info-path-int": (_ckpt(lambda c, root: c.read_info(3)), TypeError,
+                                      r"read_info: path must be a str or os.PathLike, got int"),
     "checkpoint.load-optimizer-not-saved": (_ckpt(_load_with_sgd), KeyError, r"holds no optimizer state"),
     "checkpoint.load-path-int": (_ckpt(lambda c, root: c.load(3, _wrapped())), TypeError,
                                  r"path must be a str or os.PathLike, got int"),

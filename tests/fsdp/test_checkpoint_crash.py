@@ -4,7 +4,8 @@ Three fresh gloo ranks (:func:`tests.fsdp.test_failures.spawn_world`, with hard 
 step 1, then start saving step 2; inside DCP's write, after the other ranks have written their
 files, rank 1 kills itself with SIGKILL. Then:
 
-* the other ranks exit with an error within the detection limit (no hang);
+* the other ranks exit within the detection limit (no hang) with a ``PeerFailureError``
+  naming rank 1 as the rank that stopped answering;
 * step 2 never appears under its final name, only as a ``.tmp-`` directory, which ``latest``
   ignores;
 * step 1 loads (at another world size) with exactly the weights it was saved with.
@@ -57,6 +58,8 @@ def test_sigkill_during_save_keeps_previous_checkpoint(ranks, tmp_path: Path) ->
     assert outcomes[VICTIM].kind == "died" and outcomes[VICTIM].exitcode == -signal.SIGKILL
     for rank in (0, 2):
         assert outcomes[rank].kind == "err", (rank, outcomes[rank])
+        assert outcomes[rank].payload.startswith("PeerFailureError"), outcomes[rank].payload
+        assert f"rank(s) [{VICTIM}] did not answer" in outcomes[rank].payload, outcomes[rank]
         assert outcomes[rank].at - started < DETECT_LIMIT_S + 30, rank  # + spawn and step 1
     names = sorted(p.name for p in root.iterdir())
     assert names == [".tmp-step_000000002", "step_000000001"], names

@@ -1,4 +1,4 @@
-"""Bad-input table for ragged_dtensor's public entry points (issue 10): 19 invalid inputs.
+"""Bad-input table for ragged_dtensor's public entry points (issue 10): 23 invalid inputs.
 
 Each case runs on a world-size-1 gloo rank (the entry points need a mesh) and asserts the
 exception type and a message naming the argument or tensor at fault. Not repeated here:
@@ -24,6 +24,7 @@ from ragged_dtensor import (
     local_shaped,
     raise_on_any_rank,
     redistribute_many,
+    set_roll_call_timeout,
 )
 from tests.bad_inputs import assert_names_fault, raised_by
 from tests.harness import device_mesh
@@ -62,6 +63,14 @@ CASES: dict[str, tuple[Callable[[Any], object], type[BaseException], str]] = {
                                         r"run of 12 elements, but its local tensor has shape \(11,\)"),
     "from_local_run-local-non-contiguous": (lambda m: from_local_run(torch.ones(24)[::2], m, [ROWS], (4, 3)),
                                             ValueError, r"local tensor has shape \(12,\) and"),
+    "from_local_run-placements-too-many": (lambda m: from_local_run(torch.ones(12), m, [ROWS, Replicate()], (4, 3)),
+                                           ValueError, r"from_local_run: 2 placements for a 1-D mesh"),
+    "from_local_run-local-list": (lambda m: from_local_run([1.0] * 12, m, [ROWS], (4, 3)), TypeError,
+                                  r"from_local_run: local must be a torch.Tensor, got list"),
+    "set_roll_call_timeout-negative": (lambda m: set_roll_call_timeout(-1), ValueError,
+                                       r"set_roll_call_timeout: seconds must be a number >= 0, got -1"),
+    "set_roll_call_timeout-str": (lambda m: set_roll_call_timeout("5"), ValueError,
+                                  r"set_roll_call_timeout: seconds must be a number >= 0, got '5'"),
     "local_shaped-dtensor-plain-tensor": (lambda m: local_shaped(torch.ones(3)), TypeError,
                                           r"dtensor must be a DTensor, got Tensor"),
     "redistribute_many-lengths-differ": (lambda m: redistribute_many([_ragged(m)], [[Replicate()], [Replicate()]]),

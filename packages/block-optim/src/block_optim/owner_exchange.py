@@ -26,7 +26,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from ragged_dtensor import RaggedShard, from_local_run, raise_on_any_rank, redistribute_many
+from ragged_dtensor import (
+    RaggedShard,
+    collective_guard,
+    from_local_run,
+    raise_on_any_rank,
+    redistribute_many,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -53,7 +59,8 @@ def _agree_on_status(status: int, groups: Sequence[dist.ProcessGroup], device: t
         return status
     flag = torch.tensor([status], dtype=torch.int64, device=device)
     for group in groups:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        with collective_guard("all_reduce (non-finite status)", group):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return int(flag.item())
 
 

@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from layout_planner import Plan, PlanEntry
-from ragged_dtensor import RaggedShard, from_local_run
+from ragged_dtensor import RaggedShard, collective_guard, from_local_run
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.profiler import record_function
@@ -51,6 +51,17 @@ def _check_plan_type(plan: object) -> None:
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a layout_planner.Plan, got {type(plan).__name__}")
 
+
+
+def _requires_grad_error(requires_grad: object) -> TypeError | None:
+    """A ``requires_grad`` that is not a collection of names (a bare string would otherwise be
+    read as its characters), as an error to raise on every rank."""
+    if requires_grad is None or (isinstance(requires_grad, Collection)
+                                 and not isinstance(requires_grad, (str, bytes))
+                                 and all(isinstance(n, str) for n in requires_grad)):
+        return None
+    return TypeError(f"requires_grad must be None or a collection of tensor names (str), got "
+                     f"{type(requires_grad).__name__} {requires_grad!r}")
 
 class DBuffer:
     """Sharded and unsharded parameters and gradients of one FSDP group, zero-copy.
@@ -105,9 +116,12 @@ class DBuffer:
         self.compute_dtype = compute_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self._entries: dict[str, PlanEntry] = {e.name: e for e in plan.entries}
+        names_error = _requires_grad_error(requires_grad)
+        if names_error is not None:
+            requires_grad = ()
         wanted = set(self._entries if requires_grad is None else requires_grad)
         self.trainable: tuple[str, ...] = tuple(n for n in self._entries if n in wanted)
-        error = self._local_error(requires_grad) or input_error
+        error = names_error or self._local_error(requires_grad) or input_error
         check_consistent(error, self._fingerprint(), self.topology.groups)
 
         self.rank = self.topology.shard_rank
@@ -350,7 +364,10 @@ class DBuffer:
                 shard = out.narrow(0, self.rank * S, S)
                 kernels.copy_cast_(shard, self._sharded.tensor)
             work = all_gather_into(out, shard, self.topology.shard_group, async_op)
-        return CollectiveHandle(work, keep_version=keep_version) if async_op else None
+        if not async_op:
+            return None
+        guard = collective_guard("all_gather", self.topology.shard_group)
+        return CollectiveHandle(work, guard, keep_version=keep_version)
 
     def unsharded_view(self, name: str) -> torch.Tensor:
         """Tensor ``name`` in full, shaped like it: a view of the unsharded buffer.
@@ -617,7 +634,8 @@ class DBuffer:
                     stash.free()
 
         if async_op:
-            return CollectiveHandle(work, finish)
+            guard = collective_guard("reduce_scatter", self.topology.shard_group)
+            return CollectiveHandle(work, guard, finish)
         finish()
         return None
 

@@ -4,7 +4,9 @@ Nothing here allocates or copies: the caller passes the exact buffers (the all-g
 is a buffer or a slice of the output, the reduce-scatter output is the sharded gradient
 buffer or the one temporary the dtypes require). Each call and each wait runs in a
 profiler scope named ``comm:<op>``, so copies the backend makes while it runs (gloo stages
-data through temporaries) are told apart from copies DBuffer issues. Asynchronous calls
+data through temporaries) are told apart from copies DBuffer issues, and under a
+:class:`ragged_dtensor.collective_guard`, so a peer's failure raises a
+:class:`ragged_dtensor.PeerFailureError` naming the rank at fault. Asynchronous calls
 return a :class:`CollectiveHandle` whose ``wait()`` completes the collective and then runs the
 buffer's follow-up step (HSDP all-reduce, averaging, cast into the sharded gradients).
 """
@@ -16,6 +18,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from ragged_dtensor import collective_guard
 from torch.profiler import record_function
 
 
@@ -25,10 +28,12 @@ class CollectiveHandle:
     ``wait()`` is idempotent; the handle keeps every buffer the collective uses alive.
     """
 
-    def __init__(self, work: dist.Work | None, then: Callable[[], None] | None = None, *,
+    def __init__(self, work: dist.Work | None, guard: collective_guard,
+                 then: Callable[[], None] | None = None, *,
                  keep_version: torch.autograd._unsafe_preserve_version_counter | None = None
                  ) -> None:
         self._work = work
+        self._guard = guard
         self._then = then
         self._keep_version = keep_version
         self._done = False
@@ -43,12 +48,12 @@ class CollectiveHandle:
             # refilling them with the same values must not invalidate the saved tensors, so
             # the version taken before the collective was issued is restored.
             keep = self._keep_version if self._keep_version is not None else nullcontext()
-            with record_function("comm:wait"), keep:
+            with record_function("comm:wait"), self._guard, keep:
                 self._work.wait()
         if self._then is not None:
             self._then()
         self._done = True
-        self._work = self._then = self._keep_version = None
+        self._work = self._then = self._keep_version = self._guard = None
 
     def is_completed(self) -> bool:
         """Whether :meth:`wait` has run to the end."""
@@ -61,19 +66,19 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
 
     ``shard`` may be the slice of ``output`` this rank owns (an in-place all-gather).
     """
-    with record_function("comm:all_gather"):
+    with record_function("comm:all_gather"), collective_guard("all_gather", group):
         return dist.all_gather_single(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
                         async_op: bool) -> dist.Work | None:
     """Sum ``full`` over the ranks and leave this rank's ``S``-element slice in ``output``."""
-    with record_function("comm:reduce_scatter"):
+    with record_function("comm:reduce_scatter"), collective_guard("reduce_scatter", group):
         return dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group,
                                           async_op=async_op)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Sum ``tensor`` in place over ``group`` (the HSDP replicate dimension)."""
-    with record_function("comm:all_reduce"):
+    with record_function("comm:all_reduce"), collective_guard("all_reduce", group):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)

@@ -5,10 +5,16 @@ to ``from fsdp import fully_shard``. Parameters become RaggedShard DTensors whos
 tensors are views of a flat DBuffer laid out by the structure-aware planner, so every rank
 holds whole units (rows by default, or what ``unit_policy`` asks) and the all-gather and
 reduce-scatter run in place, with no copy-in and no copy-out.
+
+:class:`PeerFailureError`, :func:`record_failure` and :func:`set_roll_call_timeout` are
+ragged-dtensor's, re-exported: a collective that fails because another rank raised, died or
+hung raises a ``PeerFailureError`` naming that rank.
 """
 
 from fsdp.fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnitPolicy, row_unit
+from ragged_dtensor import PeerFailureError, record_failure, set_roll_call_timeout
+
 from fsdp import checkpoint
 
 __all__ = [
@@ -16,10 +22,13 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "PeerFailureError",
     "UnitPolicy",
     "UnshardHandle",
     "fully_shard",
+    "record_failure",
     "register_fsdp_forward_method",
     "row_unit",
+    "set_roll_call_timeout",
 ]
 __version__ = "0.1.0"

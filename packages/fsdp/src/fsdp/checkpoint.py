@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
@@ -33,7 +34,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ragged_dtensor import from_local_run, is_ragged, raise_on_any_rank
+from ragged_dtensor import (
+    PeerFailureError,
+    collective_guard,
+    from_local_run,
+    is_ragged,
+    raise_on_any_rank,
+)
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -90,12 +97,7 @@ class AsyncSave:
 
     def result(self) -> Path:
         """Wait for the upload, then rename the checkpoint into place; its final path."""
-        error: BaseException | None = None
-        try:
-            self._upload.result()
-        except Exception as exc:  # noqa: BLE001 - raised on every rank below
-            error = exc
-        raise_on_any_rank(error)
+        raise_on_any_rank(_local_error("dcp.save (async)", self._upload.result))
         return self._finish()
 
 
@@ -109,7 +111,23 @@ def _world_size() -> int:
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        with collective_guard("barrier (checkpoint)", None):
+            dist.barrier()
+
+
+def _local_error(what: str, call: Callable[..., Any], *args: Any, **kwargs: Any
+                 ) -> BaseException | None:
+    """Run ``call``, one of DCP's collective steps, and return its error so that every rank
+    can raise it together; a peer's failure is raised at once instead, since the failed peer
+    cannot take part in that agreement."""
+    try:
+        with collective_guard(what, None):
+            call(*args, **kwargs)
+    except PeerFailureError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the caller
+        return exc
+    return None
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -159,11 +177,15 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _check_arguments(path: object, model: object, optimizer: object) -> None:
+def _check_path(path: object, what: str) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what}: path must be a str or os.PathLike, got {type(path).__name__}")
+
+
+def _check_arguments(what: str, path: object, model: object, optimizer: object) -> None:
     """Name a ``path``, ``model`` or ``optimizer`` of the wrong type before anything is written
     or read (the same on every rank, so every rank raises)."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    _check_path(path, what)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -253,7 +275,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         TypeError: for a ``path``, ``model`` or ``optimizer`` of the wrong type (before
             anything is written).
     """
-    _check_arguments(path, model, optimizer)
+    _check_arguments("save", path, model, optimizer)
     root = Path(path)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise_on_any_rank(ValueError(f"save: step must be an int >= 0, got {step!r}"))
@@ -299,11 +321,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         staged, group = _staged(state), _checkpoint_group()
         upload = _writer().submit(dcp.save, staged, checkpoint_id=tmp, process_group=group)
         return AsyncSave(upload, finish)
-    try:
-        dcp.save(state, checkpoint_id=tmp)
-    except Exception as exc:  # noqa: BLE001 - raised on every rank below
-        error = exc
-    raise_on_any_rank(error)
+    raise_on_any_rank(_local_error("dcp.save", dcp.save, state, checkpoint_id=tmp))
     return finish()
 
 
@@ -311,8 +329,10 @@ def read_info(path: str | os.PathLike) -> CheckpointInfo:
     """The recorded metadata of the checkpoint at ``path`` (a checkpoint directory).
 
     Raises:
+        TypeError: if ``path`` is not a str or ``os.PathLike``.
         FileNotFoundError: if ``path`` is not a complete checkpoint directory.
     """
+    _check_path(path, "read_info")
     path = Path(path)
     if not _is_complete(path):
         raise FileNotFoundError(
@@ -396,7 +416,7 @@ def load(path: str | os.PathLike, model: nn.Module,
             missing, unknown or of another shape) or holds no optimizer state. Every error is
             raised on every rank, before anything is loaded.
     """
-    _check_arguments(path, model, optimizer)
+    _check_arguments("load", path, model, optimizer)
     error: BaseException | None = None
     state = _state(model, optimizer)
     try:
@@ -408,7 +428,8 @@ def load(path: str | os.PathLike, model: nn.Module,
     except (OSError, KeyError, ValueError) as exc:
         error = exc
     raise_on_any_rank(error)
-    dcp.load(state, checkpoint_id=found)
+    with collective_guard("dcp.load", None):
+        dcp.load(state, checkpoint_id=found)
     if optimizer is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     else:

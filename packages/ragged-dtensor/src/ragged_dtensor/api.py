@@ -104,11 +104,19 @@ def from_local_run(
         The DTensor (a leaf; ``requires_grad`` follows ``local``).
 
     Raises:
-        ValueError: if ``local`` is not the run the placements give this rank (raised on
-            this rank only: the check needs no communication).
+        ValueError: if ``local`` is not the run the placements give this rank, or the
+            placements do not match the mesh (raised on this rank only: the checks need no
+            communication).
+        TypeError: if ``local`` is not a tensor.
     """
+    if not isinstance(local, torch.Tensor):
+        raise TypeError(f"from_local_run: local must be a torch.Tensor, got {type(local).__name__}")
     shape = torch.Size(shape)
     placements = tuple(placements)
+    if len(placements) != device_mesh.ndim:
+        raise ValueError(
+            f"from_local_run: {len(placements)} placements for a {device_mesh.ndim}-D mesh"
+        )
     if is_ragged(placements):
         error = local_run_error(local, device_mesh, placements, shape)
         if error is not None:

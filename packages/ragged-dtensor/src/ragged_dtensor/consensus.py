@@ -15,6 +15,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from ragged_dtensor.peer_failure import collective_guard
+
 
 def _flag_device(group: dist.ProcessGroup | None) -> torch.device:
     backend = dist.get_backend(group)
@@ -77,12 +79,14 @@ def raise_on_any_rank(error: BaseException | None, group: dist.ProcessGroup | No
         code = _code(agree_on)
         flags = torch.tensor([int(error is not None), code, -code], dtype=torch.int64,
                              device=_flag_device(group))
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        with collective_guard("all_reduce (raise_on_any_rank)", group):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         failed_any, highest, lowest = (int(v) for v in flags.tolist())
         if not failed_any and highest == -lowest:
             return
         gathered = [None] * world  # type: ignore[list-item]
-        dist.all_gather_object(gathered, (mine, agree_on), group=group)
+        with collective_guard("all_gather_object (raise_on_any_rank)", group):
+            dist.all_gather_object(gathered, (mine, agree_on), group=group)
     elif error is None:
         return
 

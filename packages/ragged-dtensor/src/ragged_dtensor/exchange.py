@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ragged_dtensor.peer_failure import collective_guard
+
 ALIGN = 16
 _HEADER = ALIGN
 
@@ -86,7 +88,8 @@ def exchange(
     ]
     send_buf = torch.cat(parts)
     recv_buf = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(recv_buf, send_buf, out_splits, in_splits, group=group)
+    with collective_guard("all_to_all (RaggedShard exchange)", group):
+        dist.all_to_all_single(recv_buf, send_buf, out_splits, in_splits, group=group)
 
     received: list[list[torch.Tensor]] = [[] for _ in dtypes]
     failures = []

@@ -36,6 +36,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from ragged_dtensor.api import distribute_tensor as ragged_distribute_tensor
 from ragged_dtensor.api import from_local_run
+from ragged_dtensor.peer_failure import collective_guard
 from ragged_dtensor.placement import RaggedShard, find_ragged, is_ragged
 
 _SOURCE_RANK = 0  # torch's broadcast_from_rank0 source: global rank 0
@@ -156,7 +157,8 @@ def scatter_full_tensor(
         in_splits = [0] * len(runs)
     out_splits = [0] * len(runs)
     out_splits[source] = end - start
-    dist.all_to_all_single(received, send, out_splits, in_splits, group=group)
+    with collective_guard("all_to_all (broadcast_from_rank0)", group):
+        dist.all_to_all_single(received, send, out_splits, in_splits, group=group)
     if in_place:
         return local_state
     if local_state.is_meta:

@@ -32,6 +32,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Replicate
 
 from ragged_dtensor.op_routing import Route, add_routes
+from ragged_dtensor.peer_failure import collective_guard
 from ragged_dtensor.placement import find_ragged
 from ragged_dtensor.random_fills import local_flat_range
 from ragged_dtensor.reductions import dispatch_default, raise_if_empty, settled
@@ -70,8 +71,9 @@ def argminmax_handler(
     world = dist.get_world_size(group)
     values = torch.empty(world, dtype=value.dtype, device=value.device)
     wheres = torch.empty(2 * world, dtype=where.dtype, device=where.device)
-    dist.all_gather_single(values, value, group=group)
-    dist.all_gather_single(wheres, where, group=group)
+    with collective_guard(f"all_gather ({op_call})", group):
+        dist.all_gather_single(values, value, group=group)
+        dist.all_gather_single(wheres, where, group=group)
     wheres = wheres.view(world, 2)
     holders = wheres[:, 0].nonzero().view(-1)
     best = holders[op_call(values[holders])]
@@ -109,7 +111,9 @@ def amp_unscale_handler(
             meshes.append(g.device_mesh)
     for mesh in meshes:
         for mesh_dim in range(mesh.ndim):
-            dist.all_reduce(found_local, op=dist.ReduceOp.MAX, group=mesh.get_group(mesh_dim))
+            group = mesh.get_group(mesh_dim)
+            with collective_guard("all_reduce (AMP found_inf)", group):
+                dist.all_reduce(found_local, op=dist.ReduceOp.MAX, group=group)
 
 
 ROUTES = {
