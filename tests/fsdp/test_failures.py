@@ -1,9 +1,9 @@
-"""A rank that fails during training makes every other rank exit with an error naming it.
+"""A rank that fails during fsdp training makes every other rank exit with an error naming it.
 
 These cases need processes that really die, so they do not use the shared rank pools. The
-training cases run :mod:`tests.fsdp.failing_rank` as plain scripts, one process per rank with
+training cases run :mod:`tests.failing_job` (plain scripts, one process per rank with
 torchrun's environment variables, so an uncaught exception reaches ``sys.excepthook`` as in a
-real job; :func:`spawn_world` (multiprocessing, used by the checkpoint crash test) runs a
+real job); :func:`spawn_world` (multiprocessing, used by the checkpoint crash test) runs a
 function per rank and records a caught exception with ``record_failure`` as a harness must.
 Both have a hard wall-clock limit after which the parent kills whatever is left, so the suite
 never hangs.
@@ -14,25 +14,20 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import re
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 
+from tests.failing_job import WALL_LIMIT_S, ScriptRank, assert_others_name, run_failing_job
 from tests.harness import _free_port
 
 COLLECTIVE_TIMEOUT_S = 20.0
-WALL_LIMIT_S = 120.0
 DETECT_LIMIT_S = 60.0
 
 
@@ -100,155 +95,41 @@ def spawn_world(world: int, fn: Callable[..., Any], *args: Any,
     return outcomes
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PG_TIMEOUT_S, ROLL_CALL_S = 8.0, 3.0
 
 
-@dataclass
-class ScriptRank:
-    """How one rank's process ended: its return code, stderr, and when it was seen gone."""
-
-    returncode: int
-    stderr: str
-    ended: float
-
-
-def run_failing_job(world: int, how: str, victim: int, die_at: int = 2,
-                    limit_s: float = WALL_LIMIT_S) -> tuple[list[ScriptRank], float]:
-    """Run :mod:`tests.fsdp.failing_rank` on ``world`` ranks; return every rank's outcome and
-    the time the victim started failing. Ranks other than the victim are waited for; the
-    victim (alive only when it hangs) is killed once they have all exited."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    args = [how, str(victim), str(die_at), str(PG_TIMEOUT_S), str(ROLL_CALL_S)]
-    procs, logs = [], []
-    for rank in range(world):
-        log = tempfile.TemporaryFile("w+")
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.fsdp.failing_rank", *args],
-                                      cwd=REPO, env=dict(env, RANK=str(rank)),
-                                      stdout=subprocess.DEVNULL, stderr=log))
-        logs.append(log)
-    deadline = time.monotonic() + limit_s
-    ended: dict[int, float] = {}
-    others = [rank for rank in range(world) if rank != victim]
-    while time.monotonic() < deadline and not all(rank in ended for rank in others):
-        for rank, proc in enumerate(procs):
-            if rank not in ended and proc.poll() is not None:
-                ended[rank] = time.time()
-        time.sleep(0.1)
-    outcomes = []
-    for rank, (proc, log) in enumerate(zip(procs, logs)):
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        ended.setdefault(rank, time.time())
-        log.seek(0)
-        outcomes.append(ScriptRank(proc.returncode, log.read(), ended[rank]))
-        log.close()
-    found = re.search(r"FAILING AT ([0-9.]+)", outcomes[victim].stderr)
-    assert found, f"the victim never reached its failure:\n{outcomes[victim].stderr[-3000:]}"
-    return outcomes, float(found.group(1))
-
-
-def _assert_survivors_name(outcomes: list[ScriptRank], failed_at: float, victim: int,
-                           *expected: str) -> None:
-    """Every rank but ``victim`` exited non-zero within the limit with a PeerFailureError
-    whose message holds each of ``expected``."""
-    for rank, outcome in enumerate(outcomes):
-        if rank == victim:
-            continue
-        tail = outcome.stderr[-4000:]
-        assert outcome.returncode != 0, (rank, tail)
-        assert outcome.ended - failed_at < DETECT_LIMIT_S, (rank, outcome.ended - failed_at)
-        assert "PeerFailureError" in outcome.stderr, (rank, tail)
-        for text in expected:
-            assert text in outcome.stderr, (rank, text, tail)
+def _fsdp_job(how: str, victim: int) -> tuple[list[ScriptRank], float]:
+    return run_failing_job(3, "fsdp", how, victim, pg_timeout_s=PG_TIMEOUT_S,
+                           roll_call_s=ROLL_CALL_S)
 
 
 def test_rank_that_raises_is_named_by_every_other_rank() -> None:
-    outcomes, failed_at = run_failing_job(3, "raise", victim=1)
+    outcomes, failed_at = _fsdp_job("raise", victim=1)
     assert "rank 1 fails on purpose" in outcomes[1].stderr and outcomes[1].returncode != 0
-    _assert_survivors_name(outcomes, failed_at, 1,
-                           "rank 1 raised RuntimeError: rank 1 fails on purpose at step 2",
-                           "all_gather over ranks [0-2] failed")
+    assert_others_name(outcomes, failed_at, 1, DETECT_LIMIT_S,
+                       "rank 1 raised RuntimeError: rank 1 fails on purpose at step 2",
+                       "all_gather over ranks [0-2] failed")
     for rank in (0, 2):  # the cause is known at once: no rank waits out the roll call
         assert outcomes[rank].ended - failed_at < ROLL_CALL_S + 5.0, rank
 
 
 def test_killed_rank_is_named_as_not_answering() -> None:
-    outcomes, failed_at = run_failing_job(3, "kill", victim=2)
+    outcomes, failed_at = _fsdp_job("kill", victim=2)
     assert outcomes[2].returncode == -signal.SIGKILL
-    _assert_survivors_name(outcomes, failed_at, 2, "rank(s) [2] did not answer within")
+    assert_others_name(outcomes, failed_at, 2, DETECT_LIMIT_S,
+                       "rank(s) [2] did not answer within")
 
 
 def test_hung_rank_is_named_after_the_process_group_timeout() -> None:
-    outcomes, failed_at = run_failing_job(3, "hang", victim=1)
-    _assert_survivors_name(outcomes, failed_at, 1, "rank(s) [1] did not answer within",
-                           "Timed out waiting")
+    outcomes, failed_at = _fsdp_job("hang", victim=1)
+    assert_others_name(outcomes, failed_at, 1, DETECT_LIMIT_S,
+                       "rank(s) [1] did not answer within", "Timed out waiting")
     for rank in (0, 2):  # the survivors can only notice when the process group times out
         assert outcomes[rank].ended - failed_at >= PG_TIMEOUT_S - 1.0, rank
 
 
 def test_store_host_rank_0_failing_is_named() -> None:
     """Rank 0 hosts the rendezvous store under ``env://``: when it dies, the log dies with
-    it, and the survivors say so, naming rank 0."""
-    outcomes, failed_at = run_failing_job(3, "raise", victim=0)
-    _assert_survivors_name(outcomes, failed_at, 0, "rank 0 has most likely exited")
-
-
-def test_peer_failure_error_survives_pickling() -> None:
-    import pickle
-
-    from ragged_dtensor import PeerFailureError
-
-    error = PeerFailureError("all_gather failed", op="all_gather", group_ranks=[0, 1, 2],
-                             raised={1: "RuntimeError: boom"}, silent=[2], store_error=None)
-    copy = pickle.loads(pickle.dumps(error))
-    assert (str(copy), copy.op, copy.group_ranks, copy.raised, copy.silent) == (
-        "all_gather failed", "all_gather", [0, 1, 2], {1: "RuntimeError: boom"}, [2])
-
-
-@pytest.mark.parametrize("message", [
-    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
-    "by peer [127.0.0.1]:30401. This is typically caused by a remote worker crashing.",
-    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
-    "[127.0.0.1]:12718: Connection reset by peer.",
-    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
-    "waiting 5000ms for recv operation to complete",
-])
-def test_transport_errors_are_told_from_argument_errors(message: str) -> None:
-    """The messages are gloo's own, as measured on this machine's torch 2.13 build."""
-    from ragged_dtensor.peer_failure import PeerFailureError, is_transport_error
-
-    assert is_transport_error(RuntimeError(message))
-    try:
-        try:
-            raise RuntimeError(message)
-        except RuntimeError as exc:
-            raise ValueError("wrapped") from exc
-    except ValueError as wrapped:
-        assert is_transport_error(wrapped)
-    assert not is_transport_error(PeerFailureError("x", op="o", group_ranks=[], raised={},
-                                                   silent=[], store_error=None))
-    assert not is_transport_error(RuntimeError("output tensor size must be equal to world_size "
-                                               "times input tensor size"))
-
-
-def _argument_error_passes_through() -> tuple[str, float]:
-    from dbuffer.collectives import all_gather_into
-
-    started = time.monotonic()
-    try:
-        all_gather_into(torch.empty(3), torch.ones(2), dist.group.WORLD, False)
-    except Exception as exc:  # noqa: BLE001 - returned for the assertion
-        return f"{type(exc).__name__}: {exc}", time.monotonic() - started
-    return "no error", time.monotonic() - started
-
-
-def test_argument_error_in_a_guarded_collective_is_not_a_peer_failure(ranks) -> None:
-    """A collective's own bad arguments fail on the rank that passed them, unchanged, without
-    a roll call (which would wait and then blame healthy peers)."""
-    for text, seconds in ranks.run(2, _argument_error_passes_through):
-        assert "PeerFailureError" not in text and text != "no error", text
-        assert seconds < 1.0, (text, seconds)
+    it, and the others say so, naming rank 0."""
+    outcomes, failed_at = _fsdp_job("raise", victim=0)
+    assert_others_name(outcomes, failed_at, 0, DETECT_LIMIT_S, "rank 0 has most likely exited")
