@@ -1,4 +1,4 @@
-"""Bad-input table for ragged_dtensor's public entry points (issue 10): 23 invalid inputs.
+"""Bad-input table for ragged_dtensor's public entry points (issue 10): 24 invalid inputs.
 
 Each case runs on a world-size-1 gloo rank (the entry points need a mesh) and asserts the
 exception type and a message naming the argument or tensor at fault. Not repeated here:
@@ -68,9 +68,11 @@ CASES: dict[str, tuple[Callable[[Any], object], type[BaseException], str]] = {
     "from_local_run-local-list": (lambda m: from_local_run([1.0] * 12, m, [ROWS], (4, 3)), TypeError,
                                   r"from_local_run: local must be a torch.Tensor, got list"),
     "set_roll_call_timeout-negative": (lambda m: set_roll_call_timeout(-1), ValueError,
-                                       r"set_roll_call_timeout: seconds must be a number >= 0, got -1"),
-    "set_roll_call_timeout-str": (lambda m: set_roll_call_timeout("5"), ValueError,
-                                  r"set_roll_call_timeout: seconds must be a number >= 0, got '5'"),
+                                       r"set_roll_call_timeout: seconds must be >= 0, got -1"),
+    "set_roll_call_timeout-nan": (lambda m: set_roll_call_timeout(float("nan")), ValueError,
+                                  r"set_roll_call_timeout: seconds must be >= 0, got nan"),
+    "set_roll_call_timeout-str": (lambda m: set_roll_call_timeout("5"), TypeError,
+                                  r"set_roll_call_timeout: seconds must be a number, got str '5'"),
     "local_shaped-dtensor-plain-tensor": (lambda m: local_shaped(torch.ones(3)), TypeError,
                                           r"dtensor must be a DTensor, got Tensor"),
     "redistribute_many-lengths-differ": (lambda m: redistribute_many([_ragged(m)], [[Replicate()], [Replicate()]]),

@@ -100,9 +100,11 @@ def set_roll_call_timeout(seconds: float) -> None:
     a killed or hung rank costs the whole window, a rank that raised costs nothing.
     """
     global _roll_call_s
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
-        raise ValueError(f"set_roll_call_timeout: seconds must be a number >= 0, got "
-                         f"{seconds!r}")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"set_roll_call_timeout: seconds must be a number, got "
+                        f"{type(seconds).__name__} {seconds!r}")
+    if not seconds >= 0:
+        raise ValueError(f"set_roll_call_timeout: seconds must be >= 0, got {seconds!r}")
     _roll_call_s = float(seconds)
 
 
