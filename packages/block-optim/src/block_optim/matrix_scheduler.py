@@ -51,6 +51,30 @@ class _CachedPlan:
         return all(ref() is not None for ref in self.params)
 
 
+@dataclass(frozen=True)
+class PieceOwner:
+    """One matrix of a parameter and its owner.
+
+    Attributes:
+        param: Index into the parameters given to :meth:`MatrixScheduler.piece_owners`.
+        piece: The matrix.
+        mesh: The parameter's mesh (``None`` for a plain tensor: every rank owns it).
+        dim: The mesh dimension matrices are exchanged on (``None`` for a plain tensor).
+        owner: The owner's coordinate on ``dim`` (for a plain tensor, rank 0 of one).
+    """
+
+    param: int
+    piece: MatrixPiece
+    mesh: DeviceMesh | None
+    dim: int | None
+    owner: int
+
+    def is_mine(self) -> bool:
+        """Whether this rank computes the matrix (on HSDP, one rank per replica group does)."""
+        rank = 0 if self.mesh is None else self.mesh.get_local_rank(self.dim)
+        return rank == self.owner
+
+
 def _placements(params: Sequence[torch.Tensor]) -> tuple[object, ...]:
     return tuple(getattr(p, "placements", None) for p in params)
 
@@ -113,6 +137,28 @@ class MatrixScheduler:
         self._plans[key] = cached
         return cached
 
+    def piece_owners(
+        self, params: Sequence[torch.Tensor], names: Sequence[str]
+    ) -> list[PieceOwner]:
+        """Every matrix of ``params`` with the rank that computes it (and keeps its state).
+
+        Args:
+            params: The parameters, as they will be given to :meth:`run`.
+            names: Their names.
+
+        Returns:
+            One :class:`PieceOwner` per matrix under the (cached) owner plans, the same on
+            every rank.
+        """
+        out = []
+        for (mesh, dim), members in _exchange_groups(params).items():
+            plan = self.plan_for([params[j] for j in members], [names[j] for j in members])
+            out += [
+                PieceOwner(members[piece.param], piece, mesh, dim, owner)
+                for piece, owner in zip(plan.pieces, plan.owners, strict=True)
+            ]
+        return out
+
     def owned_pieces(
         self, params: Sequence[torch.Tensor], names: Sequence[str]
     ) -> list[tuple[int, MatrixPiece]]:
@@ -125,16 +171,7 @@ class MatrixScheduler:
         Returns:
             This rank's pieces under the (cached) owner plans.
         """
-        owned = []
-        for (mesh, dim), members in _exchange_groups(params).items():
-            plan = self.plan_for([params[j] for j in members], [names[j] for j in members])
-            rank = 0 if mesh is None else mesh.get_local_rank(dim)
-            owned += [
-                (members[piece.param], piece)
-                for piece, owner in zip(plan.pieces, plan.owners, strict=True)
-                if owner == rank
-            ]
-        return owned
+        return [(o.param, o.piece) for o in self.piece_owners(params, names) if o.is_mine()]
 
     def _warn_if_cut(self, param: torch.Tensor, name: str, flat: FlatPlacement) -> None:
         if isinstance(param, DTensor) and not cuts_on_units(param, self._unit_of(param)):

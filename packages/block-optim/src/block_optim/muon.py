@@ -22,9 +22,11 @@ from block_optim.param_state import (
     Check,
     MatrixOptimizer,
     as_tuple,
+    dtype_name,
     is_number,
     is_sequence,
     local,
+    named_dtype,
     named_params,
     zeros_like_param,
 )
@@ -123,7 +125,7 @@ class Muon(MatrixOptimizer):
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_coefficients=as_tuple(ns_coefficients), eps=eps,
-            ns_dtype=_dtype_name(ns_dtype),
+            ns_dtype=dtype_name(ns_dtype),
             scaling=scaling, use_muon=None, adamw_lr=adamw_lr, adamw_betas=as_tuple(adamw_betas),
             adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
         )
@@ -143,7 +145,7 @@ class Muon(MatrixOptimizer):
             param_group: The group (``params`` plus any hyper-parameter overrides).
         """
         if "ns_dtype" in param_group:
-            param_group = {**param_group, "ns_dtype": _dtype_name(param_group["ns_dtype"])}
+            param_group = {**param_group, "ns_dtype": dtype_name(param_group["ns_dtype"])}
         super().add_param_group(param_group)
 
     def group_checks(self, group: dict[str, Any]) -> list[Check]:
@@ -262,14 +264,8 @@ class Muon(MatrixOptimizer):
             )
 
 
-def _dtype_name(dtype: object) -> object:
-    """``torch.bfloat16`` -> ``"bfloat16"``; anything else unchanged (checked later)."""
-    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
-
-
 def _ns_dtype(group: dict[str, Any]) -> torch.dtype | None:
     """The group's Newton-Schulz dtype (stored by name), or ``None`` if it is not a floating
     dtype."""
-    value = group["ns_dtype"]
-    dtype = getattr(torch, value, None) if isinstance(value, str) else value
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+    dtype = named_dtype(group["ns_dtype"])
+    return dtype if dtype is not None and dtype.is_floating_point else None

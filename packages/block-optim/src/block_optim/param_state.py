@@ -76,6 +76,22 @@ def is_sequence(value: object, length: int) -> bool:
     return isinstance(value, Sequence) and len(value) == length
 
 
+def dtype_name(dtype: object) -> object:
+    """``torch.bfloat16`` -> ``"bfloat16"``; anything else unchanged (checked later).
+
+    Dtype hyper-parameters are kept by name in param groups: torch's state-dict tooling
+    (``get_optimizer_state_dict(full_state_dict=True)``, which rejects a ``torch.dtype``
+    value; DCP) carries only plain values there."""
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+
+
+def named_dtype(value: object) -> torch.dtype | None:
+    """The dtype a group holds by name (or, from an older state dict, as a ``torch.dtype``);
+    ``None`` for anything that names no dtype."""
+    dtype = getattr(torch, value, None) if isinstance(value, str) else value
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 Check = tuple[str, bool, str]
 """``(hyper-parameter, holds, rule)``: one range check of a parameter group."""
 

@@ -19,18 +19,23 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from ragged_dtensor import RaggedShard, from_local_run
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from block_optim import adam_math
 from block_optim.matrix_owners import MatrixPiece
 from block_optim.matrix_roots import inverse_root
-from block_optim.matrix_scheduler import MatrixScheduler
+from block_optim.matrix_scheduler import MatrixScheduler, PieceOwner
 from block_optim.param_state import (
     Check,
     MatrixOptimizer,
     as_tuple,
+    dtype_name,
     is_number,
     is_sequence,
     local,
+    named_dtype,
     named_params,
     zeros_like_param,
 )
@@ -81,7 +86,8 @@ class Shampoo(MatrixOptimizer):
         epsilon: Added to the statistics' diagonal before the eigendecomposition.
         grafting: ``"adam"``, ``"sgd"`` or ``"none"``: whose per-block norm the preconditioned
             direction takes.
-        preconditioner_dtype: dtype of the statistics and roots (float32 or float64).
+        preconditioner_dtype: dtype of the statistics and roots (float32 or float64; kept in
+            the param groups by name, e.g. ``"float32"``).
     """
 
     optimizer_name = "Shampoo"
@@ -105,7 +111,7 @@ class Shampoo(MatrixOptimizer):
             lr=lr, betas=as_tuple(betas), eps=eps, weight_decay=weight_decay,
             max_preconditioner_dim=max_preconditioner_dim, precondition_frequency=precondition_frequency,
             start_preconditioning_step=start_preconditioning_step, epsilon=epsilon, grafting=grafting,
-            preconditioner_dtype=preconditioner_dtype,
+            preconditioner_dtype=dtype_name(preconditioner_dtype),
         )
         super().__init__(params, defaults)
         self._scheduler = MatrixScheduler(
@@ -115,8 +121,43 @@ class Shampoo(MatrixOptimizer):
             lambda p, piece: float(piece.numel * (piece.rows + piece.cols)),
         )
         self._loading: dict[int, Any] = {}
+        self.register_state_dict_post_hook(Shampoo._present_preconditioners)
         self.register_load_state_dict_pre_hook(Shampoo._stash_preconditioners)
         self.register_load_state_dict_post_hook(Shampoo._restore_preconditioners)
+
+    @staticmethod
+    def _present_preconditioners(optimizer: Shampoo, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict()`` shows every preconditioner block of a sharded parameter on every
+        rank, as DTensors that its owner holds whole (``RaggedShard`` with all units on the
+        owner's coordinate of the exchange mesh dim, ``Replicate`` on the others).
+
+        A block (statistics ``left``/``right`` and roots) lives as plain tensors on the one rank
+        that computes it, so torch's tooling would see a different set of keys on every rank:
+        a full state dict (``get_optimizer_state_dict(full_state_dict=True)``) would hold only
+        rank 0's blocks. As DTensors, the full form gathers each block from its owner, a full
+        load (``set_optimizer_state_dict``, with or without ``broadcast_from_rank0``) sends
+        each block to its owner under the loading layout only, and DCP writes each block once
+        and reads it into whichever rank owns it at load, at any world size. The owner's
+        DTensor is a view of its block (a block never stepped is shown as the zeros it starts
+        from); the optimizer's own state is not changed."""
+        params, names, groups = optimizer._matrix_params()
+        if not any(isinstance(p, DTensor) for p in params):
+            return state_dict
+        index = {id(p): i for i, p in enumerate(
+            p for group in optimizer.param_groups for p in group["params"])}
+        states = dict(state_dict["state"])
+        shown: dict[int, dict[str, Any]] = {}
+        for owner in optimizer._scheduler.piece_owners(params, names):
+            param, key = params[owner.param], index[id(params[owner.param])]
+            state = state_dict["state"].get(key)  # the optimizer's own, not the shown copy
+            if owner.mesh is None or state is None or "preconditioners" not in state:
+                continue
+            if key not in shown:
+                shown[key] = {}
+                states[key] = {**state, "preconditioners": shown[key]}
+            shown[key].update(_shown_blocks(
+                owner, state["preconditioners"], groups[owner.param], param))
+        return {**state_dict, "state": states}
 
     @staticmethod
     def _stash_preconditioners(optimizer: Shampoo, state_dict: dict[str, Any]) -> None:
@@ -124,11 +165,12 @@ class Shampoo(MatrixOptimizer):
         statistics kept in float64 (``preconditioner_dtype``) must not lose precision, so they
         bypass the cast. States are keyed by the saved groups' ``params`` entries (indices from
         ``state_dict()``, names from ``torch.distributed.checkpoint.state_dict``); the position
-        of the key there is the parameter's position."""
+        of the key there is the parameter's position. Blocks shown as DTensors (see
+        :meth:`_present_preconditioners`) are kept where this rank holds them whole."""
         position = {key: i for i, key in enumerate(
             key for group in state_dict["param_groups"] for key in group["params"])}
         optimizer._loading = {
-            position[key]: state["preconditioners"]
+            position[key]: _held_blocks(state["preconditioners"])
             for key, state in state_dict["state"].items()
             if "preconditioners" in state
         }
@@ -139,6 +181,19 @@ class Shampoo(MatrixOptimizer):
         for index, blocks in optimizer._loading.items():
             optimizer.state[params[index]]["preconditioners"] = blocks
         optimizer._loading = {}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; ``preconditioner_dtype`` is kept by name (``"float32"``), since
+        state-dict tooling (``get_optimizer_state_dict(full_state_dict=True)``, DCP) only
+        carries plain values in param groups.
+
+        Args:
+            param_group: The group (``params`` plus any hyper-parameter overrides).
+        """
+        if "preconditioner_dtype" in param_group:
+            param_group = {**param_group,
+                           "preconditioner_dtype": dtype_name(param_group["preconditioner_dtype"])}
+        super().add_param_group(param_group)
 
     def group_checks(self, group: dict[str, Any]) -> list[Check]:
         """Shampoo's range checks of one parameter group.
@@ -164,7 +219,7 @@ class Shampoo(MatrixOptimizer):
              and group["start_preconditioning_step"] >= 1, "must be an int >= 1"),
             ("epsilon", is_number(group["epsilon"]) and group["epsilon"] >= 0, "must be >= 0"),
             ("grafting", group["grafting"] in GRAFTINGS, f"must be one of {GRAFTINGS}"),
-            ("preconditioner_dtype", group["preconditioner_dtype"] in (torch.float32, torch.float64),
+            ("preconditioner_dtype", _preconditioner_dtype(group) in (torch.float32, torch.float64),
              "must be torch.float32 or torch.float64"),
         ]
 
@@ -196,7 +251,7 @@ class Shampoo(MatrixOptimizer):
             dim = groups[j]["max_preconditioner_dim"]
             for c0 in range(0, piece.cols, dim):
                 blocks[f"{piece.index}.{c0 // dim}"] = _new_block(
-                    piece.rows, min(piece.cols, c0 + dim) - c0, groups[j]["preconditioner_dtype"], params[j]
+                    piece.rows, min(piece.cols, c0 + dim) - c0, _preconditioner_dtype(groups[j]), params[j]
                 )
 
     def _matrix_params(self) -> tuple[list[torch.Tensor], list[str], list[dict[str, Any]]]:
@@ -258,6 +313,11 @@ class Shampoo(MatrixOptimizer):
                 _apply(p, direction, group)
 
 
+def _preconditioner_dtype(group: dict[str, Any]) -> torch.dtype | None:
+    """The group's statistics dtype (kept by name; a ``torch.dtype`` from older state dicts)."""
+    return named_dtype(group["preconditioner_dtype"])
+
+
 def _new_state(group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     state: dict[str, Any] = {"step": torch.tensor(0.0)}
     if group["grafting"] == "adam":
@@ -266,6 +326,63 @@ def _new_state(group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     if p.ndim >= 2:
         state["preconditioners"] = {}
     return state
+
+
+_BLOCK_SIDES = (("left", "rows"), ("right", "cols"), ("left_root", "rows"), ("right_root", "cols"))
+"""A block's tensors and the side of the block each is square in."""
+
+
+def _shown_blocks(owner: PieceOwner, held: dict[str, dict[str, torch.Tensor]], group: dict[str, Any],
+                  param: torch.Tensor) -> dict[str, dict[str, DTensor]]:
+    """The blocks of one band as DTensors held whole by the band's owner (see
+    :meth:`Shampoo._present_preconditioners`)."""
+    assert owner.mesh is not None and owner.dim is not None
+    dim, dtype = group["max_preconditioner_dim"], _preconditioner_dtype(group)
+    mine, piece = owner.is_mine(), owner.piece
+    out = {}
+    for c0 in range(0, piece.cols, dim):
+        key = f"{piece.index}.{c0 // dim}"
+        size = {"rows": piece.rows, "cols": min(piece.cols, c0 + dim) - c0}
+        block = held.get(key) if mine else None
+        if mine and block is None:
+            block = _new_block(size["rows"], size["cols"], dtype, param)
+        out[key] = {
+            name: _owned(None if block is None else block[name], size[side], dtype, local(param).device,
+                         owner.mesh, owner.dim, owner.owner)
+            for name, side in _BLOCK_SIDES
+        }
+    return out
+
+
+def _owned(tensor: torch.Tensor | None, n: int, dtype: torch.dtype, device: torch.device,
+           mesh: DeviceMesh, dim: int, owner: int) -> DTensor:
+    """An ``n x n`` DTensor held whole by coordinate ``owner`` of ``mesh``'s dimension ``dim``
+    (``tensor`` there, nothing elsewhere; replicated over the other dimensions)."""
+    units = [0] * mesh.size(dim)
+    units[owner] = 1
+    placements = [Replicate()] * mesh.ndim
+    placements[dim] = RaggedShard((0,), units)
+    run = torch.empty(0, dtype=dtype, device=device) if tensor is None else tensor.reshape(-1)
+    return from_local_run(run, mesh, placements, (n, n))
+
+
+def _held_blocks(blocks: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """The blocks this rank keeps from a state dict's: plain ones as they are, DTensor ones
+    where this rank holds them whole (their owner), reshaped back to matrices."""
+    out = {}
+    for key, block in blocks.items():
+        kept: dict[str, torch.Tensor] | None = {}
+        for name, tensor in block.items():
+            if isinstance(tensor, DTensor):
+                run = tensor.to_local()
+                if run.numel() != tensor.numel():
+                    kept = None  # another rank owns this block
+                    break
+                tensor = run.reshape(tensor.shape)
+            kept[name] = tensor
+        if kept is not None:
+            out[key] = kept
+    return out
 
 
 def _apply(p: torch.Tensor, direction: torch.Tensor, group: dict[str, Any]) -> None:
@@ -299,7 +416,7 @@ def _precondition_band(
 
     The updated statistics and roots are new tensors recorded in ``pending``: the step may
     still fail on another band or rank."""
-    dim, dtype = group["max_preconditioner_dim"], group["preconditioner_dtype"]
+    dim, dtype = group["max_preconditioner_dim"], _preconditioner_dtype(group)
     start = group["start_preconditioning_step"]
     started = step >= start
     refresh = started and (step - start) % group["precondition_frequency"] == 0
