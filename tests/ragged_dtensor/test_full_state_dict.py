@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
 )
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
@@ -314,3 +315,66 @@ def optim_case(mesh_shape: tuple[int, ...], broadcast: bool) -> bool:
 def test_full_optimizer_state_dict_round_trip(ranks, mesh_shape, broadcast) -> None:
     world = math.prod(mesh_shape)
     assert ranks.run(world, optim_case, mesh_shape, broadcast) == [True] * world
+
+
+def set_state_dict_case() -> bool:
+    """``set_state_dict`` (model and optimizer in one call) with ``broadcast_from_rank0``:
+    only rank 0 passes the dicts, yet every rank loads both. torch's ``set_state_dict`` picks
+    ``optim_only=not model_state_dict``, so without the hook a rank passing ``{}`` skipped the
+    model's broadcasts that rank 0 waited in."""
+    layouts = LAYOUTS[2]
+    ref = reference(layouts)
+    module = sharded((2,), layouts)
+    set_model_state_dict(module, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
+    full = get_optimizer_state_dict(module, stepped(module),
+                                    options=StateDictOptions(full_state_dict=True))
+    target = sharded((2,), layouts)
+    fresh = torch.optim.AdamW(target.parameters(), lr=0.1, weight_decay=0.01)
+    rank0 = dist.get_rank() == 0
+    set_state_dict(target, fresh, model_state_dict=dict(ref.state_dict()) if rank0 else {},
+                   optim_state_dict=full if rank0 else {},
+                   options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    check_matches(target, ref, layouts)
+    for name in NAMES:
+        param = getattr(target, name)
+        assert torch.equal(fresh.state[param]["exp_avg"].full_tensor(),
+                           full["state"][name]["exp_avg"]), name
+    return True
+
+
+def test_set_state_dict_broadcast_from_rank0_loads_model_and_optimizer(ranks) -> None:
+    assert ranks.run(2, set_state_dict_case) == [True, True]
+
+
+def strict_case(case: str) -> str:
+    """``strict=True`` with a key rank 0's dict lacks or the module does not have: the error
+    is raised on every rank before anything is sent (torch raised an unknown model key after
+    the load on rank 0 alone, and a missing optimizer state on rank 0 alone before the
+    broadcast its peers waited in)."""
+    layouts = LAYOUTS[2]
+    module = sharded((2,), layouts)
+    set_model_state_dict(module, reference(layouts).state_dict(),
+                         options=StateDictOptions(full_state_dict=True))
+    model_sd = dict(reference(layouts).state_dict())
+    optim_sd = get_optimizer_state_dict(module, stepped(module),
+                                        options=StateDictOptions(full_state_dict=True))
+    if case == "model":
+        model_sd["p9"] = model_sd["p0"]
+    else:
+        optim_sd = {**optim_sd, "state": {k: v for k, v in optim_sd["state"].items() if k != "p1"}}
+    fresh = torch.optim.AdamW(module.parameters(), lr=0.1)
+    rank0 = dist.get_rank() == 0
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+    with pytest.raises(RuntimeError, match="strict=True") as raised:
+        if case == "model":
+            set_model_state_dict(module, model_sd if rank0 else {}, options=options)
+        else:
+            set_optimizer_state_dict(module, fresh, optim_sd if rank0 else {}, options=options)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize(("case", "expect"), [("model", "unexpected key(s) 'p9'"),
+                                              ("optimizer", "optimizer state for parameter 'p1'")])
+def test_strict_mismatch_raises_on_every_rank(ranks, case: str, expect: str) -> None:
+    messages = ranks.run(2, strict_case, case)
+    assert len(set(messages)) == 1 and expect in messages[0], messages

@@ -20,6 +20,24 @@ parameters are views of a flat buffer).
 
 The full form of ``get_model_state_dict`` / ``get_optimizer_state_dict`` needs nothing here: it
 redistributes each DTensor to ``Replicate``, which :mod:`ragged_dtensor.redistribute` serves.
+
+Two of torch's own decisions in loading a full state dict are made from each rank's own
+arguments, although under ``broadcast_from_rank0`` only rank 0 holds the state dicts;
+:func:`install` also wraps ``torch.distributed.checkpoint.state_dict``'s ``_verify_options``
+and loaders so that every rank decides alike (every placement benefits, torch's included):
+
+* ``set_state_dict`` loads the model only where ``model_state_dict`` is not empty, so ranks
+  other than 0 (which pass ``{}``) skipped the model's broadcasts and rank 0 hung in them;
+  with ``broadcast_from_rank0`` rank 0's choice is broadcast first.
+* ``strict=True`` was checked where the state dict is: a missing optimizer state raised on
+  rank 0 alone, before the broadcast its peers then waited in, and a key the model does not
+  have raised on rank 0 alone after the load; without ``broadcast_from_rank0`` a missing
+  model key raised nothing (torch fills the dict it loads with the model's own tensors).
+  With ``full_state_dict`` and ``strict`` the keys are now checked before anything is loaded
+  (on rank 0 under ``broadcast_from_rank0``, on every rank otherwise) and a mismatch raises
+  the same ``RuntimeError`` on every rank (:func:`ragged_dtensor.raise_on_any_rank`): a model
+  key missing from the state dict or unknown to the model, a parameter with no optimizer
+  state, or optimizer state for a parameter no optimizer holds.
 """
 
 from __future__ import annotations
@@ -30,12 +48,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import _state_dict_utils
+from torch.distributed.checkpoint import state_dict as _dsd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from ragged_dtensor.api import distribute_tensor as ragged_distribute_tensor
 from ragged_dtensor.api import from_local_run
+from ragged_dtensor.consensus import _flag_device, raise_on_any_rank
 from ragged_dtensor.peer_failure import collective_guard
 from ragged_dtensor.placement import RaggedShard, find_ragged, is_ragged
 
@@ -200,21 +220,142 @@ def _broadcast_tensors(
         _TORCH_BROADCAST_TENSORS(full_state_dict, local_state_dict, others, device, pg)
 
 
-def _torch_original(name: str) -> Callable[..., Any]:
-    current = getattr(_state_dict_utils, name)
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _verify_options(
+    model: torch.nn.Module,
+    optims: tuple[torch.optim.Optimizer, ...],
+    optim_only: bool,
+    **kwargs: Any,
+) -> Any:
+    """``state_dict._verify_options`` with rank 0's ``optim_only`` under ``broadcast_from_rank0``.
+
+    ``set_state_dict`` passes ``optim_only=not model_state_dict``, so a rank that passes
+    ``{}`` as it must under ``broadcast_from_rank0`` would skip the model while rank 0 loads
+    it (and waits for that rank in the model's broadcasts). Every caller of ``_verify_options``
+    calls it on every rank, so one broadcast of rank 0's flag makes every rank do as rank 0.
+    Without optimizers (``set_model_state_dict``) there is nothing to decide: no broadcast.
+    """
+    options = kwargs.get("options")
+    if optims and options is not None and options.broadcast_from_rank0 and _distributed():
+        flag = torch.tensor([int(bool(optim_only))], device=_flag_device(None))
+        with collective_guard("broadcast (broadcast_from_rank0: what to load)", None):
+            dist.broadcast(flag, src=_SOURCE_RANK)
+        optim_only = bool(flag.item())
+    return _TORCH_VERIFY_OPTIONS(model, optims, optim_only, **kwargs)
+
+
+def _deciding_rank(info: Any) -> bool:
+    """Whether this rank holds the state dict to check: rank 0 under ``broadcast_from_rank0``
+    (the others pass ``{}``), every rank otherwise."""
+    return not info.broadcast_from_rank0 or not _distributed() or dist.get_rank() == _SOURCE_RANK
+
+
+def _listing(keys: set[str]) -> str:
+    shown = sorted(keys)[:8]
+    more = f" and {len(keys) - len(shown)} more" if len(keys) > len(shown) else ""
+    return ", ".join(repr(k) for k in shown) + more
+
+
+def _model_key_error(model: torch.nn.Module, state_dict: dict[str, Any], info: Any
+                     ) -> BaseException | None:
+    """The strict check of a full model state dict's keys against the model's: the keys
+    torch's loader builds from the model (canonical FQNs, persistent buffers and extra states
+    included)."""
+    expected: set[str] = set()
+    for key, _ in _dsd._iterate_valid_model_state(model, info.dsd_fqn_modifiers):
+        expected |= _dsd._get_fqns(model, key, info.dsd_fqn_modifiers)
+    missing, unexpected = expected - set(state_dict), set(state_dict) - expected
+    if not missing and not unexpected:
+        return None
+    parts = []
+    if missing:
+        parts.append(f"missing key(s) {_listing(missing)}")
+    if unexpected:
+        parts.append(f"unexpected key(s) {_listing(unexpected)}")
+    source = "rank 0's " if info.broadcast_from_rank0 else ""
+    return RuntimeError(
+        f"loading a full state dict with strict=True: {source}model state dict does not match "
+        f"the model: {'; '.join(parts)} (StateDictOptions(strict=False) loads the keys both "
+        "have)"
+    )
+
+
+def _optim_key_error(model: torch.nn.Module, optims: tuple[torch.optim.Optimizer, ...],
+                     state_dict: dict[str, Any], info: Any) -> BaseException | None:
+    """The strict check of a full optimizer state dict: torch's own (every parameter that
+    requires grad has a state, from ``_split_optim_state_dict``), plus no state for a parameter
+    that none of ``optims`` holds."""
+    if not isinstance(state_dict, dict) or _dsd._STATE not in state_dict:
+        return None  # a flattened optimizer state dict: torch's own checks
+    states = state_dict[_dsd._STATE]
+    if all(isinstance(k, int) for k in states):
+        return None  # keyed by parameter index (torch's split passes it through)
+    known = {fqn for optim in optims for group in optim.param_groups
+             for param in group[_dsd._PARAMS] for fqn in info.fqn_param_mapping[param]}
+    source = "rank 0's " if info.broadcast_from_rank0 else ""
+    what = f"loading a full state dict with strict=True: {source}optimizer state dict"
+    unknown = set(states) - known
+    if unknown:
+        return RuntimeError(f"{what} holds state for parameter(s) {_listing(unknown)}, which "
+                            "no optimizer given holds (StateDictOptions(strict=False) ignores it)")
+    for optim in optims:
+        try:
+            _dsd._split_optim_state_dict(model, optim, state_dict, info)
+        except (RuntimeError, ValueError) as exc:
+            return type(exc)(f"{what}: {exc}")
+    return None
+
+
+def _load_model_state_dict(model: torch.nn.Module, state_dict: dict[str, Any], info: Any) -> Any:
+    """``state_dict._load_model_state_dict`` after the strict key check of a full state dict,
+    raised on every rank (see the module's docstring)."""
+    checks = (info.handle_model and info.strict and info.full_state_dict
+              and not info.submodule_prefixes and (state_dict or info.broadcast_from_rank0))
+    if checks:
+        error = _model_key_error(model, state_dict, info) if _deciding_rank(info) else None
+        raise_on_any_rank(error)
+    return _TORCH_LOAD_MODEL_STATE_DICT(model, state_dict, info)
+
+
+def _load_optim_state_dict(model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
+                           state_dict: Any, info: Any) -> None:
+    """``state_dict._load_optim_state_dict`` after the strict check of a full optimizer state
+    dict, raised on every rank before anything is sent (see the module's docstring)."""
+    if info.handle_optim and info.strict and info.full_state_dict:
+        error = None
+        if _deciding_rank(info) and state_dict:
+            error = _optim_key_error(model, optimizers, state_dict, info)
+        raise_on_any_rank(error)
+    return _TORCH_LOAD_OPTIM_STATE_DICT(model, optimizers, state_dict, info)
+
+
+def _torch_original(module: Any, name: str) -> Callable[..., Any]:
+    current = getattr(module, name)
     return getattr(current, "_ragged_original", current)
 
 
-_TORCH_DISTRIBUTE_TENSOR = _torch_original("distribute_tensor")
-_TORCH_BROADCAST_TENSORS = _torch_original("_broadcast_tensors")
+_TORCH_DISTRIBUTE_TENSOR = _torch_original(_state_dict_utils, "distribute_tensor")
+_TORCH_BROADCAST_TENSORS = _torch_original(_state_dict_utils, "_broadcast_tensors")
+_TORCH_VERIFY_OPTIONS = _torch_original(_dsd, "_verify_options")
+_TORCH_LOAD_MODEL_STATE_DICT = _torch_original(_dsd, "_load_model_state_dict")
+_TORCH_LOAD_OPTIM_STATE_DICT = _torch_original(_dsd, "_load_optim_state_dict")
 
 
 def install() -> None:
     """Route ``_state_dict_utils``' ``distribute_tensor`` and ``_broadcast_tensors`` through the
-    ragged versions for RaggedShard DTensors (idempotent; other tensors keep torch's code)."""
-    for name, hook, original in (
-        ("distribute_tensor", _distribute_tensor, _TORCH_DISTRIBUTE_TENSOR),
-        ("_broadcast_tensors", _broadcast_tensors, _TORCH_BROADCAST_TENSORS),
+    ragged versions for RaggedShard DTensors (other tensors keep torch's code), and wrap
+    ``torch.distributed.checkpoint.state_dict``'s ``_verify_options``,
+    ``_load_model_state_dict`` and ``_load_optim_state_dict`` so that ``broadcast_from_rank0``
+    follows rank 0 and a strict full load raises on every rank (idempotent)."""
+    for module, name, hook, original in (
+        (_state_dict_utils, "distribute_tensor", _distribute_tensor, _TORCH_DISTRIBUTE_TENSOR),
+        (_state_dict_utils, "_broadcast_tensors", _broadcast_tensors, _TORCH_BROADCAST_TENSORS),
+        (_dsd, "_verify_options", _verify_options, _TORCH_VERIFY_OPTIONS),
+        (_dsd, "_load_model_state_dict", _load_model_state_dict, _TORCH_LOAD_MODEL_STATE_DICT),
+        (_dsd, "_load_optim_state_dict", _load_optim_state_dict, _TORCH_LOAD_OPTIM_STATE_DICT),
     ):
         hook._ragged_original = original  # type: ignore[attr-defined]
-        setattr(_state_dict_utils, name, hook)
+        setattr(module, name, hook)
