@@ -64,20 +64,13 @@ def _shard(model: nn.Module, impl: str, policy: str | None) -> None:
 
 
 def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Full parameters and full optimizer state as plain tensors (a collective), cloned (the
-    state dict shares unsharded tensors such as AdamW's ``step`` with the optimizer). The
-    optimizer's states are gathered one by one: torch's full optimizer state dict cannot
-    hold Muon's ``ns_dtype`` (a ``torch.dtype``) in its param groups; Shampoo's
-    preconditioner blocks, plain tensors on the rank that owns each, are merged over ranks."""
+    """Full parameters and full optimizer state as plain tensors on every rank (a collective:
+    each DTensor gathered, Shampoo's preconditioner blocks from the rank that owns each),
+    cloned (the state dict shares unsharded tensors such as AdamW's ``step`` with the
+    optimizer)."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(
         model, optimizer)["state"]}
-    state = tree_map_only(torch.Tensor, lambda t: models.full(t).clone(), state)
-    for states in state["optim"].values():
-        if "preconditioners" in states:  # Shampoo's blocks live on their owner rank only
-            owned: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(owned, states["preconditioners"])
-            states["preconditioners"] = {k: v for blocks in owned for k, v in blocks.items()}
-    return state
+    return tree_map_only(torch.Tensor, lambda t: models.full(t).clone(), state)
 
 
 def session(spec: RunSpec, impl: str, policy: str | None, root: str | None,
