@@ -102,6 +102,7 @@ class Muon(MatrixOptimizer):
     """
 
     optimizer_name = "Muon"
+    dtype_hyperparameters = ("ns_dtype",)
 
     def __init__(
         self,
@@ -135,18 +136,6 @@ class Muon(MatrixOptimizer):
             "Muon", _unit, lambda param: None,
             lambda param, piece: newton_schulz_flops(piece.rows, piece.cols, self._group_of(param)["ns_steps"]),
         )
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; ``ns_dtype`` is kept by name (``"bfloat16"``), since state-dict
-        tooling (``get_optimizer_state_dict(full_state_dict=True)``, DCP) only carries plain
-        values in param groups.
-
-        Args:
-            param_group: The group (``params`` plus any hyper-parameter overrides).
-        """
-        if "ns_dtype" in param_group:
-            param_group = {**param_group, "ns_dtype": dtype_name(param_group["ns_dtype"])}
-        super().add_param_group(param_group)
 
     def group_checks(self, group: dict[str, Any]) -> list[Check]:
         """Muon's range checks of one parameter group.

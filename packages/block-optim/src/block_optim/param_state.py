@@ -77,11 +77,7 @@ def is_sequence(value: object, length: int) -> bool:
 
 
 def dtype_name(dtype: object) -> object:
-    """``torch.bfloat16`` -> ``"bfloat16"``; anything else unchanged (checked later).
-
-    Dtype hyper-parameters are kept by name in param groups: torch's state-dict tooling
-    (``get_optimizer_state_dict(full_state_dict=True)``, which rejects a ``torch.dtype``
-    value; DCP) carries only plain values there."""
+    """``torch.bfloat16`` -> ``"bfloat16"``; anything else unchanged (checked later)."""
     return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
 
 
@@ -120,6 +116,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
     """
 
     optimizer_name = "MatrixOptimizer"
+    dtype_hyperparameters: tuple[str, ...] = ()
+    """Hyper-parameters holding a dtype, kept in the param groups by name (``"bfloat16"``):
+    torch's state-dict tooling (``get_optimizer_state_dict(full_state_dict=True)``, DCP)
+    carries only plain values there."""
     _groups_by_param: dict[int, dict[str, Any]] | None = None
 
     def group_checks(self, group: Mapping[str, Any]) -> list[Check]:
@@ -144,6 +144,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 (the group is then not added).
         """
         self._groups_by_param = None
+        param_group = {key: dtype_name(value) if key in self.dtype_hyperparameters else value
+                       for key, value in param_group.items()}
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:

@@ -91,6 +91,7 @@ class Shampoo(MatrixOptimizer):
     """
 
     optimizer_name = "Shampoo"
+    dtype_hyperparameters = ("preconditioner_dtype",)
 
     def __init__(
         self,
@@ -181,19 +182,6 @@ class Shampoo(MatrixOptimizer):
         for index, blocks in optimizer._loading.items():
             optimizer.state[params[index]]["preconditioners"] = blocks
         optimizer._loading = {}
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; ``preconditioner_dtype`` is kept by name (``"float32"``), since
-        state-dict tooling (``get_optimizer_state_dict(full_state_dict=True)``, DCP) only
-        carries plain values in param groups.
-
-        Args:
-            param_group: The group (``params`` plus any hyper-parameter overrides).
-        """
-        if "preconditioner_dtype" in param_group:
-            param_group = {**param_group,
-                           "preconditioner_dtype": dtype_name(param_group["preconditioner_dtype"])}
-        super().add_param_group(param_group)
 
     def group_checks(self, group: dict[str, Any]) -> list[Check]:
         """Shampoo's range checks of one parameter group.
