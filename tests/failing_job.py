@@ -104,14 +104,23 @@ class ScriptRank:
 
 
 def run_failing_job(world: int, workload: str, how: str, victim: int, *, die_at: int = 2,
-                    pg_timeout_s: float = 8.0, roll_call_s: float = 3.0,
+                    pg_timeout_s: float = 8.0, roll_call_s: float = 3.0, agent_store: bool = True,
                     limit_s: float = WALL_LIMIT_S) -> tuple[list[ScriptRank], float]:
     """Run the job on ``world`` ranks; every rank's outcome and the time the victim started
     failing. Ranks other than the victim are waited for; the victim (alive only when it
-    hangs) is killed once they have all exited, and everything after ``limit_s``."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    hangs) is killed once they have all exited, and everything after ``limit_s``.
+
+    With ``agent_store`` this process hosts the rendezvous store, as torchrun's agent does
+    (``TORCHELASTIC_USE_AGENT_STORE``), so it outlives every rank; without, rank 0 hosts it
+    (plain ``env://``) and takes it along when it exits.
+    """
+    port = _free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
+               TORCHELASTIC_USE_AGENT_STORE=str(agent_store),
                PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=True,
+                          wait_for_workers=False) if agent_store else None
     args = [workload, how, str(victim), str(die_at), str(pg_timeout_s), str(roll_call_s)]
     procs, logs = [], []
     for rank in range(world):
@@ -137,6 +146,7 @@ def run_failing_job(world: int, workload: str, how: str, victim: int, *, die_at:
         log.seek(0)
         outcomes.append(ScriptRank(proc.returncode, log.read(), ended[rank]))
         log.close()
+    del store  # the agent's store lives until every rank has ended
     found = re.search(r"FAILING AT ([0-9.]+)", outcomes[victim].stderr)
     assert found, f"the victim never reached its failure:\n{outcomes[victim].stderr[-3000:]}"
     return outcomes, float(found.group(1))

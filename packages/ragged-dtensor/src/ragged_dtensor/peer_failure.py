@@ -42,13 +42,12 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 _LOG_KEY = "ragged_dtensor/peer_failure/log"
-_COUNT_KEY = "ragged_dtensor/peer_failure/ranks"
+_COUNT_KEY = "ragged_dtensor/peer_failure/entries"
 _TRANSPORT_MARKERS = ("/gloo/transport/", "Connection closed by peer",
                       "Connection reset by peer", "Timed out waiting")
 _MESSAGE_LIMIT = 2000
 _roll_call_s = 5.0
 _installed = False
-_logged = False
 
 
 class PeerFailureError(RuntimeError):
@@ -149,13 +148,10 @@ def _store() -> Iterator[dist.Store]:
 
 
 def _append(store: dist.Store, kind: str, message: str = "") -> None:
-    """Add this rank's entry to the log; the first entry of a process also counts the rank,
-    so a roll call polls one counter and reads the log only when it has grown."""
-    global _logged
+    """Add this rank's entry to the log and count it, so a roll call polls one counter and
+    reads the log only when it has grown."""
     store.append(_LOG_KEY, json.dumps([dist.get_rank(), kind, message[:_MESSAGE_LIMIT]]) + "\n")
-    if not _logged:
-        store.add(_COUNT_KEY, 1)
-        _logged = True
+    store.add(_COUNT_KEY, 1)
 
 
 def _read(store: dist.Store) -> dict[int, tuple[str, str]]:
@@ -184,15 +180,15 @@ def roll_call(group_ranks: list[int]) -> RollCall:
             deadline = time.monotonic() + _roll_call_s
             delay, counted = 0.05, -1
             while True:
-                ranks_logged = store.add(_COUNT_KEY, 0)
-                if ranks_logged != counted:
-                    counted, entries = ranks_logged, _read(store)
+                logged = store.add(_COUNT_KEY, 0)
+                if logged != counted:
+                    counted, entries = logged, _read(store)
                 left = deadline - time.monotonic()
                 if all(rank in entries for rank in group_ranks) or left <= 0:
                     break
                 time.sleep(min(delay, left))
                 delay = min(2 * delay, 1.0)
-            entries = _read(store)  # a counted rank may since have logged why it exited
+            entries = _read(store)  # entries logged since the last read
     except Exception as exc:  # noqa: BLE001 - an unreachable store is itself a finding
         result.store_error = _first_line(exc)
     result.waited_s = time.monotonic() - started
