@@ -217,8 +217,6 @@ def _bad(model_sd: dict[str, Any], optim_sd: dict[str, Any], case: str
         model_sd["norm.scale"] = model_sd["norm.weight"].clone()
     elif case == "optimizer state missing":
         del optim_sd["state"]["norm.weight"]
-    elif case == "optimizer state unknown":
-        optim_sd["state"]["norm.scale"] = optim_sd["state"]["norm.weight"]
     return model_sd, optim_sd
 
 
@@ -226,7 +224,6 @@ STRICT_CASES = {
     "model key missing": "missing key(s) 'norm.weight'",
     "model key unknown": "unexpected key(s) 'norm.scale'",
     "optimizer state missing": "Missing optimizer state for parameter 'norm.weight'",
-    "optimizer state unknown": "holds state for parameter(s) 'norm.scale', which no optimizer",
 }
 
 

@@ -378,3 +378,34 @@ def strict_case(case: str) -> str:
 def test_strict_mismatch_raises_on_every_rank(ranks, case: str, expect: str) -> None:
     messages = ranks.run(2, strict_case, case)
     assert len(set(messages)) == 1 and expect in messages[0], messages
+
+
+class _Shared(torch.nn.Module):
+    """One submodule under two names: ``get_model_state_dict`` lists it under both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 2)
+        self.b = self.a
+
+
+def rank_0_alone_loads_strictly() -> float:
+    """Only rank 0 loads a full, strict state dict into a plain module (an EMA or eval copy):
+    torch does that with no collective, so the key check must not add one; the module holds a
+    shared submodule, whose second name the check must accept."""
+    import time
+
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    started = time.monotonic()
+    if dist.get_rank() == 0:
+        source, target = _Shared(), _Shared()
+        options = StateDictOptions(full_state_dict=True, strict=True)
+        set_model_state_dict(target, dict(source.state_dict()), options=options)
+        assert torch.equal(target.a.weight, source.a.weight)
+    return time.monotonic() - started
+
+
+def test_strict_full_load_on_one_rank_needs_no_collective(ranks) -> None:
+    seconds = ranks.run(2, rank_0_alone_loads_strictly)
+    assert seconds[0] < 5.0, seconds

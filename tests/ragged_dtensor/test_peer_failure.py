@@ -42,6 +42,7 @@ def test_peer_failure_error_survives_pickling() -> None:
     "[127.0.0.1]:12718: Connection reset by peer.",
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
     "waiting 5000ms for recv operation to complete",
+    "Application timeout caused pair closure",
 ])
 def test_transport_errors_are_told_from_argument_errors(message: str) -> None:
     """The messages are gloo's own, as measured on this machine's torch 2.13 build."""
@@ -59,6 +60,8 @@ def test_transport_errors_are_told_from_argument_errors(message: str) -> None:
                                                    silent=[], store_error=None))
     assert not is_transport_error(RuntimeError("output tensor size must be equal to world_size "
                                                "times input tensor size"))
+    # the user's own connection error (a data loader's socket) is not a peer's failure
+    assert not is_transport_error(ConnectionResetError(104, "Connection reset by peer"))
 
 
 def _argument_error_passes_through() -> tuple[str, float]:

@@ -33,11 +33,12 @@ and loaders so that every rank decides alike (every placement benefits, torch's 
   rank 0 alone, before the broadcast its peers then waited in, and a key the model does not
   have raised on rank 0 alone after the load; without ``broadcast_from_rank0`` a missing
   model key raised nothing (torch fills the dict it loads with the model's own tensors).
-  With ``full_state_dict`` and ``strict`` the keys are now checked before anything is loaded
-  (on rank 0 under ``broadcast_from_rank0``, on every rank otherwise) and a mismatch raises
-  the same ``RuntimeError`` on every rank (:func:`ragged_dtensor.raise_on_any_rank`): a model
-  key missing from the state dict or unknown to the model, a parameter with no optimizer
-  state, or optimizer state for a parameter no optimizer holds.
+  With ``full_state_dict`` and ``strict`` the keys are now checked before anything is loaded:
+  a model key missing from the state dict or unknown to the model, or a parameter with no
+  optimizer state. Under ``broadcast_from_rank0`` rank 0 checks and the same
+  ``RuntimeError`` is raised on every rank (:func:`ragged_dtensor.raise_on_any_rank`);
+  otherwise each rank checks the dict it holds and raises with no collective, since a full
+  load may run on some ranks only.
 """
 
 from __future__ import annotations
@@ -261,11 +262,11 @@ def _listing(keys: set[str]) -> str:
 
 def _model_key_error(model: torch.nn.Module, state_dict: dict[str, Any], info: Any
                      ) -> BaseException | None:
-    """The strict check of a full model state dict's keys against the model's: the keys
-    torch's loader builds from the model (canonical FQNs, persistent buffers and extra states
-    included)."""
+    """The strict check of a full model state dict's keys against the model's: the keys of
+    ``model.state_dict()`` as canonical FQNs (persistent buffers, extra states and a shared
+    submodule under each of its names included, as ``get_model_state_dict`` gives them)."""
     expected: set[str] = set()
-    for key, _ in _dsd._iterate_valid_model_state(model, info.dsd_fqn_modifiers):
+    for key in model.state_dict(keep_vars=True):
         expected |= _dsd._get_fqns(model, key, info.dsd_fqn_modifiers)
     missing, unexpected = expected - set(state_dict), set(state_dict) - expected
     if not missing and not unexpected:
@@ -285,22 +286,16 @@ def _model_key_error(model: torch.nn.Module, state_dict: dict[str, Any], info: A
 
 def _optim_key_error(model: torch.nn.Module, optims: tuple[torch.optim.Optimizer, ...],
                      state_dict: dict[str, Any], info: Any) -> BaseException | None:
-    """The strict check of a full optimizer state dict: torch's own (every parameter that
-    requires grad has a state, from ``_split_optim_state_dict``), plus no state for a parameter
-    that none of ``optims`` holds."""
+    """torch's own strict check of a full optimizer state dict (every parameter that requires
+    grad has a state, from ``_split_optim_state_dict``), run before anything is sent. State
+    for parameters no optimizer given holds is allowed, as torch allows it (one state dict of
+    several optimizers loads into each of them)."""
     if not isinstance(state_dict, dict) or _dsd._STATE not in state_dict:
         return None  # a flattened optimizer state dict: torch's own checks
-    states = state_dict[_dsd._STATE]
-    if all(isinstance(k, int) for k in states):
+    if all(isinstance(k, int) for k in state_dict[_dsd._STATE]):
         return None  # keyed by parameter index (torch's split passes it through)
-    known = {fqn for optim in optims for group in optim.param_groups
-             for param in group[_dsd._PARAMS] for fqn in info.fqn_param_mapping[param]}
     source = "rank 0's " if info.broadcast_from_rank0 else ""
     what = f"loading a full state dict with strict=True: {source}optimizer state dict"
-    unknown = set(states) - known
-    if unknown:
-        return RuntimeError(f"{what} holds state for parameter(s) {_listing(unknown)}, which "
-                            "no optimizer given holds (StateDictOptions(strict=False) ignores it)")
     for optim in optims:
         try:
             _dsd._split_optim_state_dict(model, optim, state_dict, info)
@@ -309,26 +304,36 @@ def _optim_key_error(model: torch.nn.Module, optims: tuple[torch.optim.Optimizer
     return None
 
 
+def _raise_key_error(error: BaseException | None, info: Any) -> None:
+    """Under ``broadcast_from_rank0`` only rank 0 can check, and every rank is in the load, so
+    its verdict is raised on every rank; otherwise each rank checks the dict it was given and
+    raises with no collective (a full load may run on some ranks only)."""
+    if info.broadcast_from_rank0 and _distributed():
+        raise_on_any_rank(error)
+    elif error is not None:
+        raise error
+
+
 def _load_model_state_dict(model: torch.nn.Module, state_dict: dict[str, Any], info: Any) -> Any:
-    """``state_dict._load_model_state_dict`` after the strict key check of a full state dict,
-    raised on every rank (see the module's docstring)."""
+    """``state_dict._load_model_state_dict`` after the strict key check of a full state dict
+    (see the module's docstring)."""
     checks = (info.handle_model and info.strict and info.full_state_dict
               and not info.submodule_prefixes and (state_dict or info.broadcast_from_rank0))
     if checks:
         error = _model_key_error(model, state_dict, info) if _deciding_rank(info) else None
-        raise_on_any_rank(error)
+        _raise_key_error(error, info)
     return _TORCH_LOAD_MODEL_STATE_DICT(model, state_dict, info)
 
 
 def _load_optim_state_dict(model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
                            state_dict: Any, info: Any) -> None:
     """``state_dict._load_optim_state_dict`` after the strict check of a full optimizer state
-    dict, raised on every rank before anything is sent (see the module's docstring)."""
+    dict, before anything is sent (see the module's docstring)."""
     if info.handle_optim and info.strict and info.full_state_dict:
         error = None
         if _deciding_rank(info) and state_dict:
             error = _optim_key_error(model, optimizers, state_dict, info)
-        raise_on_any_rank(error)
+        _raise_key_error(error, info)
     return _TORCH_LOAD_OPTIM_STATE_DICT(model, optimizers, state_dict, info)
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime
 import json
 import sys
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -43,11 +44,18 @@ import torch.distributed as dist
 
 _LOG_KEY = "ragged_dtensor/peer_failure/log"
 _COUNT_KEY = "ragged_dtensor/peer_failure/entries"
+# gloo's own words (its messages carry its source path, except the last two) and the NCCL
+# watchdog's; matched only in RuntimeErrors, the type torch raises them as, so an OSError of the
+# user's own (a data loader's "Connection reset by peer") is never taken for a peer's failure.
 _TRANSPORT_MARKERS = ("/gloo/transport/", "Connection closed by peer",
-                      "Connection reset by peer", "Timed out waiting")
+                      "Connection reset by peer", "Timed out waiting",
+                      "Application timeout caused pair closure", "Socket closed",
+                      "Watchdog caught collective operation timeout",
+                      "NCCL communicator was aborted")
 _MESSAGE_LIMIT = 2000
 _roll_call_s = 5.0
 _installed = False
+_store_lock = threading.Lock()
 
 
 class PeerFailureError(RuntimeError):
@@ -95,8 +103,10 @@ class RollCall:
 def set_roll_call_timeout(seconds: float) -> None:
     """How long a rank whose collective failed waits for its peers to answer (default 5 s).
 
-    It waits only while some rank of the group has neither answered nor logged an error;
-    a killed or hung rank costs the whole window, a rank that raised costs nothing.
+    It waits only while some rank of the group has neither answered nor logged an error: when
+    the failed rank raised and the others notice at once, the roll call ends as soon as all
+    have answered; a killed or hung rank, or one still blocked in another collective, costs
+    the whole window.
     """
     global _roll_call_s
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
@@ -122,9 +132,9 @@ def is_transport_error(exc: BaseException) -> bool:
     for item in _chain(exc):
         if isinstance(item, PeerFailureError):
             return False
-        if isinstance(item, (dist.DistBackendError, dist.DistNetworkError)):
+        if isinstance(item, dist.DistNetworkError):
             return True
-        if any(marker in str(item) for marker in _TRANSPORT_MARKERS):
+        if isinstance(item, RuntimeError) and any(m in str(item) for m in _TRANSPORT_MARKERS):
             return True
     return False
 
@@ -136,15 +146,17 @@ def _store() -> Iterator[dist.Store]:
     The store's own timeout is the process group's (30 minutes by default), and a store
     whose host has died makes every operation wait that long; a second connection
     (``clone``) would first wait that long to connect. The shared client's timeout is
-    therefore shortened and then restored.
+    therefore shortened and then restored, under a lock so that two threads (a training step
+    and an asynchronous checkpoint's writer) cannot restore each other's setting.
     """
-    store = dist.distributed_c10d._get_default_store()
-    previous = store.timeout
-    store.set_timeout(datetime.timedelta(seconds=max(_roll_call_s, 1.0)))
-    try:
-        yield store
-    finally:
-        store.set_timeout(previous)
+    with _store_lock:
+        store = dist.distributed_c10d._get_default_store()
+        previous = store.timeout
+        store.set_timeout(datetime.timedelta(seconds=max(_roll_call_s, 1.0)))
+        try:
+            yield store
+        finally:
+            store.set_timeout(previous)
 
 
 def _append(store: dist.Store, kind: str, message: str = "") -> None:
