@@ -39,20 +39,13 @@ def fsdp_steps(steps: int) -> Iterator[Callable[[], None]]:
     from tests.fsdp import models
     from tests.harness import device_mesh
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = models.build_model()
     spec = models.RunSpec("sgd", steps=steps)
-    models.shard(model, "fsdp", spec, device_mesh(world))
+    models.shard(model, "fsdp", spec, device_mesh(dist.get_world_size()))
     optimizer = models.make_optimizer(spec, [(n, p) for n, p in model.named_parameters()
                                              if p.requires_grad])
-    per_rank = spec.global_batch // world
-    for tokens in models.batches(spec):
-        def step(tokens: torch.Tensor = tokens) -> None:
-            models._loss(model, tokens[rank * per_rank:(rank + 1) * per_rank]).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-        yield step
+    for index in range(steps):
+        yield lambda index=index: models.sharded_steps(model, optimizer, spec, index, index + 1)
 
 
 def ragged_steps(steps: int) -> Iterator[Callable[[], None]]:

@@ -202,6 +202,24 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
+def sharded_steps(model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, first: int,
+                  last: int) -> list[float]:
+    """Steps ``[first, last)`` of ``spec``'s batches on this rank's slice of each (call it on
+    every rank); the mean loss of each step over the ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = spec.global_batch // world
+    losses = []
+    for tokens in batches(spec)[first:last]:
+        loss = _loss(model, tokens[rank * per_rank:(rank + 1) * per_rank])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        losses.append(float(loss / world))
+    return losses
+
+
 def _set_sync(model: nn.Module, sync: bool) -> None:
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(sync)

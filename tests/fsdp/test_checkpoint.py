@@ -83,7 +83,6 @@ def session(spec: RunSpec, impl: str, policy: str | None, root: str | None,
     """
     from fsdp import checkpoint
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = models.build_model()
     _shard(model, impl, policy)
     optimizer = models.make_optimizer(
@@ -93,22 +92,11 @@ def session(spec: RunSpec, impl: str, policy: str | None, root: str | None,
         step, extra = checkpoint.load(root, model, optimizer)
         assert (step, extra) == (first, {"cut": first}), (step, extra)
         out["loaded"] = _snapshot(model, optimizer)
-    per_rank = spec.global_batch // world
-    losses = []
-    for tokens in models.batches(spec)[first:last]:
-        mine = tokens[rank * per_rank:(rank + 1) * per_rank]
-        loss = models._loss(model, mine)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        loss = loss.detach()
-        dist.all_reduce(loss)
-        losses.append(float(loss / world))
-    out["losses"] = losses
+    out["losses"] = models.sharded_steps(model, optimizer, spec, first, last)
     if root is not None and last < spec.steps:
         out["saved"] = _snapshot(model, optimizer)
         checkpoint.save(root, model, optimizer, step=last, extra={"cut": last})
-    return out if rank == 0 else None
+    return out if dist.get_rank() == 0 else None
 
 
 def _run(ranks, world: int, *args: Any) -> dict[str, Any]:

@@ -78,23 +78,6 @@ def _build(spec: RunSpec, meta: bool = False) -> tuple[nn.Module, torch.optim.Op
     return model, optimizer
 
 
-def _train(model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, first: int,
-           last: int) -> list[float]:
-    """Steps ``[first, last)`` on this rank's slice of the batch; the mean loss of each."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = spec.global_batch // world
-    losses = []
-    for tokens in models.batches(spec)[first:last]:
-        loss = models._loss(model, tokens[rank * per_rank:(rank + 1) * per_rank])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        loss = loss.detach()
-        dist.all_reduce(loss)
-        losses.append(float(loss / world))
-    return losses
-
-
 def _leaves(tree: Any) -> list[Any]:
     return tree_flatten(tree)[0]
 
@@ -123,7 +106,7 @@ def save_full(spec: RunSpec, path: str, root: str) -> dict[str, Any] | None:
     from fsdp import checkpoint
 
     model, optimizer = _build(spec)
-    _train(model, optimizer, spec, 0, CUT)
+    models.sharded_steps(model, optimizer, spec, 0, CUT)
     params = {n: models.full(p) for n, p in model.named_parameters(remove_duplicate=False)}
     held = _held_state(model, optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=FULL)
@@ -163,8 +146,8 @@ def resume_both(spec: RunSpec, path: str, root: str) -> dict[str, Any] | None:
     assert checkpoint.load(root, dcp_model, dcp_optimizer) == (CUT, None)
     out = {"broadcast_model": _full(model), "broadcast_optim": _full(model, optimizer),
            "dcp_optim": _full(dcp_model, dcp_optimizer)}
-    out["broadcast_losses"] = _train(model, optimizer, spec, CUT, STEPS)
-    out["dcp_losses"] = _train(dcp_model, dcp_optimizer, spec, CUT, STEPS)
+    out["broadcast_losses"] = models.sharded_steps(model, optimizer, spec, CUT, STEPS)
+    out["dcp_losses"] = models.sharded_steps(dcp_model, dcp_optimizer, spec, CUT, STEPS)
     return out if dist.get_rank() == 0 else None
 
 
@@ -232,7 +215,7 @@ def strict_errors(broadcast: bool) -> dict[str, str]:
     rank must raise); then the intact dicts still load, so the ranks are still in step."""
     spec = RunSpec("adamw", steps=1)
     model, optimizer = _build(spec)
-    _train(model, optimizer, spec, 0, 1)
+    models.sharded_steps(model, optimizer, spec, 0, 1)
     full = StateDictOptions(full_state_dict=True, cpu_offload=broadcast)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=full)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=True)
