@@ -103,6 +103,8 @@ EXCLUSIONS: dict[str, Exclusion] = {
     _INIT + "TestFullyShardShardPlacementFn.test_init_2d_transformer_shard_diff_dim": _NO_SHARD_DIM,
     _INIT + "TestFullyShardShardPlacementFn.test_init_1d_uneven_shard_largest_dim": _NO_SHARD_DIM,
     _INIT + "TestFullyShardShardPlacementFn.test_invalid_shard_dim": _NO_SHARD_DIM,
+    _TRAINING + "TestFullyShardShardPlacementFnMultiThread.test_shard_placement_fn_contiguous_params_grads":
+        _NO_SHARD_DIM,
     _INIT + "TestHSDPWithCustomHook.test_custom_hook_custom_stream": _NO_HOOK,
     _INIT + "TestHSDPWithCustomHook.test_custom_hsdp_all_reduce_hook": _NO_HOOK,
     _INIT + "TestFullyShardMixedDtypeParam.test_mixed_dtypes_no_grad_param": _DTYPES,
