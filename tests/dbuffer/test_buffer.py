@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -287,27 +288,38 @@ def _assert_every_use_raises(view: torch.Tensor, match: str) -> None:
 
 
 def _freed_grad_views_raise(case: Case) -> None:
-    """Gradient views raise while their buffers are freed, and work again afterwards."""
+    """Unsharded gradient views raise while their buffer is freed and work again afterwards;
+    sharded gradients are owned by reference: a view handed out keeps its values after
+    free_sharded_grad, and the memory goes when the last view is let go."""
     p = case.plan
     buf = DBuffer.from_tensors(full_tensors(p, case.seed), p, **case.kwargs)
     grads = rank_grads(p, case.seed, dist.get_rank())
+    reference = grad_sum(p, case.seed, dist.get_world_size())
     _fill_grads(buf, grads)
     gviews = {n: buf.grad_view(n) for n in buf.names}
     buf.reduce_scatter("sum")
     sviews = {n: buf.sharded_grad_view(n) for n in buf.names}
+    flat = weakref.ref(buf.sharded_grad_buffer)
     buf.free_grad()
     buf.free_sharded_grad()
+    assert not buf.has_sharded_grad
+    with pytest.raises(FreedBufferError, match="sharded_grad_view.*reduce_scatter"):
+        buf.sharded_grad_view(p.entries[0].name)
     for n in buf.names:
         _assert_every_use_raises(gviews[n], f"grad view of '{n}'.*unsharded gradient buffer")
-        _assert_every_use_raises(sviews[n], f"sharded_grad view of '{n}'.*reduce_scatter")
+        assert torch.equal(sviews[n], local_piece(p, n, buf.rank, reference[n]).to(case.dtype))
+    assert flat() is not None  # the views hold the memory ...
+    old = sviews
+    sviews = {}
+    del old
+    assert flat() is None  # ... and nothing else does
     assert buf.grad_view(p.entries[0].name) is gviews[p.entries[0].name]
     assert all(not v.any() for v in gviews.values())  # re-allocated zero-filled, usable
     _fill_grads(buf, grads)
     buf.reduce_scatter("sum")
-    reference = grad_sum(p, case.seed, dist.get_world_size())
-    for n, v in sviews.items():
-        assert buf.sharded_grad_view(n) is v
-        assert torch.equal(v, local_piece(p, n, buf.rank, reference[n]).to(case.dtype))
+    for n in buf.names:
+        assert torch.equal(buf.sharded_grad_view(n),
+                           local_piece(p, n, buf.rank, reference[n]).to(case.dtype))
 
 
 def _frozen_case(case: Case) -> None:

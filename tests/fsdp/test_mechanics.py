@@ -30,15 +30,20 @@ def _sharded_model(world: int, spec: RunSpec = RunSpec()) -> Any:
     return model
 
 
-def _step(model: Any, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
+def _forward_backward(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     rank, world = dist.get_rank(), dist.get_world_size()
     per = tokens.shape[0] // world
     mine = tokens[rank * per:(rank + 1) * per]
     loss = F.cross_entropy(model(mine[:, :-1]).float().reshape(-1, VOCAB), mine[:, 1:].reshape(-1))
     loss.backward()
+    return loss.detach()
+
+
+def _step(model: Any, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
+    loss = _forward_backward(model, tokens)
     optimizer.step()
     optimizer.zero_grad()
-    return loss.detach()
+    return loss
 
 
 def _groups(model: Any) -> list[Any]:
@@ -91,16 +96,20 @@ def _zero_copy_step() -> dict[str, Any]:
     _step(model, optimizer, data[0])
     groups = _groups(model)
     with profile(activities=[ProfilerActivity.CPU]) as prof, record_collectives() as log:
-        _step(model, optimizer, data[1])
+        _forward_backward(model, data[1])
+        # the reduced gradients: memory owned by the parameters' .grad views alone
+        sharded_grads = {p.grad.to_local().untyped_storage().data_ptr()
+                         for p in model.parameters() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad()
     ops = {e.name for e in prof.events()}
-    own: dict[str, set[int]] = {"sharded": set(), "unsharded": set(), "grad": set(), "sharded_grad": set()}
+    own: dict[str, set[int]] = {"sharded": set(), "unsharded": set(), "grad": set(),
+                                "sharded_grad": sharded_grads}
     for g in groups:
         for b in g.buffers:
             own["sharded"].add(b.sharded_buffer.data_ptr())
             if b.is_unsharded:
                 own["unsharded"].add(b.unsharded_buffer.data_ptr())
-            if b.trainable and b.has_sharded_grad:
-                own["sharded_grad"].add(b.sharded_grad_buffer.data_ptr())
     return {"copy_ops": sorted(o for o in ops if any(c in o for c in FSDP2_COPY_OPS)),
             "calls": [(c.name, c.output, c.input) for c in log], "own": own}
 

@@ -9,8 +9,11 @@ elements per rank, tensor ``t`` at global offset ``l_t``):
   :meth:`DBuffer.all_gather` and :meth:`DBuffer.free_unsharded`;
 * unsharded gradients, ``W*S`` elements of ``compute_dtype``, alive from the first
   :meth:`DBuffer.grad_view` (zero-filled) until :meth:`DBuffer.free_grad`;
-* sharded gradients, ``S`` elements of ``dtype``, written by :meth:`DBuffer.reduce_scatter`
-  and alive until :meth:`DBuffer.free_sharded_grad`.
+* sharded gradients, ``S`` elements of ``dtype``, a fresh tensor written by the first
+  :meth:`DBuffer.reduce_scatter` after :meth:`DBuffer.free_sharded_grad`. Unlike the others it
+  is owned by reference, not freed in place: ``free_sharded_grad`` drops DBuffer's reference,
+  and the memory lives exactly as long as something holds a view of it (a parameter's
+  ``.grad``), so ``zero_grad(set_to_none=True)`` releases it, as in FSDP2.
 
 Every per-tensor object handed out is a view of one of them, so the collectives run on the
 buffers themselves: no copy-in, no copy-out, no ``chunk_cat``.
@@ -39,7 +42,7 @@ from dbuffer.collectives import (
     all_reduce_sum,
     reduce_scatter_into,
 )
-from dbuffer.errors import check_consistent, check_dtype
+from dbuffer.errors import FreedBufferError, check_consistent, check_dtype
 from dbuffer.flat import FlatBuffer
 from dbuffer.topology import Topology
 
@@ -133,7 +136,12 @@ class DBuffer:
                                      "unsharded parameter buffer", allocated=False,
                                      hint="call all_gather() first")
         self._grad: FlatBuffer | None = None
-        self._sharded_grad: FlatBuffer | None = None
+        # The sharded gradients: a plain tensor DBuffer holds from a reduce-scatter until
+        # free_sharded_grad(), with the views and DTensors handed out over it; after that only
+        # their holders keep the memory alive (no in-place free, nothing to fence).
+        self._sharded_grad: torch.Tensor | None = None
+        self._sharded_grad_views: dict[str, torch.Tensor] = {}
+        self._sharded_grad_dtensors: dict[str, DTensor] = {}
         self._grad_stash: FlatBuffer | None = None
         if self.trainable:
             self._grad = FlatBuffer(self.world_size * S, self.compute_dtype, self.device,
@@ -143,8 +151,6 @@ class DBuffer:
                 self._grad_stash = FlatBuffer(self.world_size * S, self.reduce_dtype, self.device,
                                               "gradient stash", allocated=False,
                                               hint="call stash_grad() first")
-            self._sharded_grad = FlatBuffer(S, dtype, self.device, "sharded gradient buffer",
-                                            allocated=False, hint="call reduce_scatter() first")
         self._views: dict[tuple[str, str], torch.Tensor] = {}
         self._dtensors: dict[tuple[str, str], DTensor] = {}
         # The last gradient fold_grad took per tensor (object and version), so the
@@ -297,19 +303,24 @@ class DBuffer:
         offset, numel = self._local_slice(name)
         return self._view("local", name, self._sharded, offset, numel, (numel,))
 
+    def _ragged_dtensor(self, name: str, local: torch.Tensor) -> DTensor:
+        """The RaggedShard DTensor of tensor ``name`` around ``local`` itself (not an alias,
+        which is what ``DTensor.from_local`` would store)."""
+        shape = self._shape(name)
+        counts = [end - start for start, end in
+                  (self.plan.local_range(name, r) for r in range(self.world_size))]
+        ragged = RaggedShard.from_element_counts(shape, counts)
+        placements = (ragged,) if self.topology.replicate_group is None else (Replicate(), ragged)
+        return from_local_run(local, self.topology.device_mesh(self.device.type), placements,
+                              shape)
+
     def _dtensor(self, kind: str, name: str, buffer: FlatBuffer,
                  local: torch.Tensor) -> DTensor:
-        """The RaggedShard DTensor around ``local`` (a view of ``buffer``) itself, fenced with
-        the buffer's views: an alias (what ``DTensor.from_local`` stores) would escape it."""
+        """:meth:`_ragged_dtensor` over a view of ``buffer``, cached and fenced with the
+        buffer's views while it is freed."""
         key = (kind, name)
         if key not in self._dtensors:
-            shape = self._shape(name)
-            counts = [end - start for start, end in
-                      (self.plan.local_range(name, r) for r in range(self.world_size))]
-            ragged = RaggedShard.from_element_counts(shape, counts)
-            placements = (ragged,) if self.topology.replicate_group is None else (Replicate(), ragged)
-            dtensor = from_local_run(local, self.topology.device_mesh(self.device.type),
-                                     placements, shape)
+            dtensor = self._ragged_dtensor(name, local)
             buffer.track(dtensor, f"{kind} DTensor of {name!r}")
             self._dtensors[key] = dtensor
         return self._dtensors[key]
@@ -397,10 +408,17 @@ class DBuffer:
         self._unsharded.free()
 
     # ------------------------------------------------------------------------ gradients
-    def _require_grad_buffers(self) -> tuple[FlatBuffer, FlatBuffer]:
-        if self._grad is None or self._sharded_grad is None:
+    def _require_grad_buffer(self) -> FlatBuffer:
+        if self._grad is None:
             raise ValueError("every tensor of this DBuffer is frozen: it has no gradients")
-        return self._grad, self._sharded_grad
+        return self._grad
+
+    def _require_sharded_grad(self, what: str) -> torch.Tensor:
+        self._require_grad_buffer()
+        if self._sharded_grad is None:
+            raise FreedBufferError(f"{what}: the sharded gradient buffer holds no gradient; "
+                                   "call reduce_scatter() first")
+        return self._sharded_grad
 
     @property
     def frozen_grad_bytes(self) -> int:
@@ -427,9 +445,9 @@ class DBuffer:
 
     @property
     def has_sharded_grad(self) -> bool:
-        """Whether the sharded gradient buffer holds memory (a :meth:`reduce_scatter` since
-        the last :meth:`free_sharded_grad`): the next reduce-scatter then adds into it."""
-        return self._sharded_grad is not None and self._sharded_grad.allocated
+        """Whether DBuffer holds sharded gradients (a :meth:`reduce_scatter` since the last
+        :meth:`free_sharded_grad`): the next reduce-scatter then adds into them."""
+        return self._sharded_grad is not None
 
     @property
     def grad_buffer(self) -> torch.Tensor:
@@ -443,7 +461,7 @@ class DBuffer:
 
     def _allocated_grad(self) -> FlatBuffer:
         """The unsharded gradient buffer, allocated zero-filled (one launch) if freed."""
-        grad, _ = self._require_grad_buffers()
+        grad = self._require_grad_buffer()
         if grad.allocate():
             kernels.zero_(grad.tensor)
         return grad
@@ -592,7 +610,6 @@ class DBuffer:
         # raising here would leave the other ranks waiting in the collective.
         self._fold_replaced_grads()
         grad = self._allocated_grad()
-        sharded_grad = self._require_grad_buffers()[1]
         ranks = self.world_size * self.topology.replicate_size
         factor = 1.0 / ranks if op == "avg" else 1.0
         pre, post = (factor, 1.0) if predivide else (1.0, factor)
@@ -610,11 +627,14 @@ class DBuffer:
         else:
             full = torch.empty(grad.tensor.numel(), dtype=self.reduce_dtype, device=self.device)
             kernels.copy_cast_(full, grad.tensor, pre)
-        accumulate = sharded_grad.allocated
-        sharded_grad.allocate()
+        accumulate = self._sharded_grad is not None
+        if not accumulate:
+            self._sharded_grad = torch.empty(self.shard_size, dtype=self.dtype,
+                                             device=self.device)
+        sharded_grad = self._sharded_grad
         direct = not accumulate and self.reduce_dtype == self.dtype
         if direct:
-            out = sharded_grad.tensor
+            out = sharded_grad
         else:
             out = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
         work = reduce_scatter_into(out, full, self.topology.shard_group, async_op)
@@ -627,9 +647,9 @@ class DBuffer:
                     if post != 1.0:
                         kernels.scale_(out, post)
                 elif accumulate:
-                    kernels.add_(sharded_grad.tensor, out, post)
+                    kernels.add_(sharded_grad, out, post)
                 else:
-                    kernels.copy_cast_(sharded_grad.tensor, out, post)
+                    kernels.copy_cast_(sharded_grad, out, post)
                 if stash is not None:
                     stash.free()
 
@@ -643,11 +663,14 @@ class DBuffer:
         """This rank's piece of tensor ``name``'s reduced gradient (1-D, ``dtype``): a view
         of the sharded gradient buffer, laid out like :meth:`local_view`.
 
+        The view keeps the memory alive after :meth:`free_sharded_grad` (it is owned by
+        reference), so it stays valid as long as it is held.
+
         Args:
             name: a trainable tensor.
 
         Returns:
-            A 1-D view.
+            A 1-D view; the same object until :meth:`free_sharded_grad`.
 
         Raises:
             ValueError: when ``name`` is frozen.
@@ -655,10 +678,11 @@ class DBuffer:
                 :meth:`free_sharded_grad`.
         """
         self._check_trainable(name)
-        _, sharded_grad = self._require_grad_buffers()
-        sharded_grad.check(f"sharded_grad_view({name!r})", "call reduce_scatter() first")
-        offset, numel = self._local_slice(name)
-        return self._view("sharded_grad", name, sharded_grad, offset, numel, (numel,))
+        sharded_grad = self._require_sharded_grad(f"sharded_grad_view({name!r})")
+        if name not in self._sharded_grad_views:
+            offset, numel = self._local_slice(name)
+            self._sharded_grad_views[name] = sharded_grad.narrow(0, offset, numel)
+        return self._sharded_grad_views[name]
 
     def sharded_grad(self, name: str) -> DTensor:
         """Tensor ``name``'s reduced gradient as a RaggedShard DTensor over
@@ -669,10 +693,12 @@ class DBuffer:
             name: a trainable tensor.
 
         Returns:
-            The DTensor; cached per name.
+            The DTensor; the same object until :meth:`free_sharded_grad`.
         """
-        return self._dtensor("sharded_grad", name, self._require_grad_buffers()[1],
-                             self.sharded_grad_view(name))
+        if name not in self._sharded_grad_dtensors:
+            self._sharded_grad_dtensors[name] = self._ragged_dtensor(
+                name, self.sharded_grad_view(name))
+        return self._sharded_grad_dtensors[name]
 
     @property
     def sharded_grad_buffer(self) -> torch.Tensor:
@@ -681,9 +707,7 @@ class DBuffer:
         Raises:
             FreedBufferError: when it holds no gradient.
         """
-        _, sharded_grad = self._require_grad_buffers()
-        sharded_grad.check("sharded_grad_buffer", "call reduce_scatter() first")
-        return sharded_grad.tensor
+        return self._require_sharded_grad("sharded_grad_buffer")
 
     def stash_grad(self) -> None:
         """Move the unsharded gradients into a stash kept in ``reduce_dtype`` and free the
@@ -696,7 +720,7 @@ class DBuffer:
         Raises:
             ValueError: when every tensor is frozen.
         """
-        grad, _ = self._require_grad_buffers()
+        grad = self._require_grad_buffer()
         if self._grad_stash is None or not grad.allocated:
             return
         self._fold_replaced_grads()
@@ -732,7 +756,10 @@ class DBuffer:
         self._grad.free()
 
     def free_sharded_grad(self) -> None:
-        """Drop the sharded gradients (``zero_grad(set_to_none=True)``); the next
-        :meth:`reduce_scatter` overwrites instead of accumulating."""
-        if self._sharded_grad is not None:
-            self._sharded_grad.free()
+        """Drop DBuffer's reference to the sharded gradients and to the views and DTensors
+        it handed out over them; the next :meth:`reduce_scatter` writes a new tensor instead
+        of accumulating. The memory is released when the last view of it is let go (e.g. by
+        ``zero_grad(set_to_none=True)`` on parameters whose ``.grad`` is such a view)."""
+        self._sharded_grad = None
+        self._sharded_grad_views.clear()
+        self._sharded_grad_dtensors.clear()

@@ -7,17 +7,22 @@ then register views of the unsharded buffer as the module's parameters), :meth:`
 (register the sharded DTensor parameters again, free the unsharded memory),
 :meth:`pre_backward` (re-gather, point every unsharded parameter's ``.grad`` at its view of
 the gradient buffer so autograd accumulates straight into it), :meth:`post_backward` (one
-reduce-scatter per buffer into the sharded gradient buffer) and :meth:`finish_reduce` (the
-sharded ``.grad`` of every parameter becomes a RaggedShard view of that buffer).
+reduce-scatter per buffer), :meth:`finish_reduce` (the sharded ``.grad`` of every parameter
+that got a gradient becomes a RaggedShard view of the reduced gradients, which only the
+``.grad`` tensors keep alive) and :meth:`finalize_backward` (the group's end of a backward).
 
-Nothing here copies a parameter or a gradient: the collectives run on DBuffer's own buffers.
+The group changes its own training state, through :meth:`use_training_state`; the identity of
+every unsharded ``.grad`` is :class:`fsdp.managed_param.ManagedParam`'s alone. Nothing here
+copies a parameter or a gradient in the common path: the collectives run on DBuffer's own
+buffers.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from fsdp.buffers import make_buffer, sharded_parameter
+from fsdp.managed_param import ManagedParam
 
 
 class TrainingState(enum.Enum):
@@ -38,81 +44,6 @@ class TrainingState(enum.Enum):
     FORWARD = enum.auto()
     PRE_BACKWARD = enum.auto()
     POST_BACKWARD = enum.auto()
-
-
-@dataclass(eq=False)
-class ManagedParam:
-    """One parameter of a group: where it is registered and where its memory lives.
-
-    Attributes:
-        name: unique name inside the group (its DBuffer key).
-        slots: every ``(module, attribute)`` that registers it (tied weights have several).
-        buffer: the DBuffer holding it.
-        sharded: the registered sharded parameter (a RaggedShard DTensor over the buffer).
-        unsharded: the unsharded parameter (a view of the unsharded buffer), made on first
-            unshard and kept, since the buffer keeps its storage across free and re-gather.
-        armed: whether ``unsharded.grad`` currently is the gradient buffer's view.
-        got_grad: whether autograd delivered a gradient since the last reduction.
-    """
-
-    name: str
-    slots: list[tuple[nn.Module, str]]
-    buffer: DBuffer
-    sharded: nn.Parameter
-    unsharded: nn.Parameter | None = None
-    armed: bool = False
-    got_grad: bool = False
-
-    @property
-    def trainable(self) -> bool:
-        """Whether the parameter requires a gradient (its buffer has gradient memory)."""
-        return self.sharded.requires_grad
-
-    def register(self, param: nn.Parameter) -> None:
-        """Make ``param`` the registered parameter at every slot (no ``nn.Module`` checks,
-        so the swap costs a dict write per slot)."""
-        for module, attr in self.slots:
-            module._parameters[attr] = param
-
-    def unsharded_param(self) -> nn.Parameter:
-        """The unsharded parameter, created on first use as a view of the unsharded buffer."""
-        if self.unsharded is None:
-            view = self.buffer.unsharded_view(self.name)
-            self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
-            if self.trainable:
-                self.unsharded.register_post_accumulate_grad_hook(self._on_grad)
-        return self.unsharded
-
-    def arm_grad(self) -> None:
-        """Point ``unsharded.grad`` at the gradient buffer's view, so autograd accumulates
-        in place into the buffer (no per-parameter gradient tensor, no copy)."""
-        assert self.unsharded is not None
-        if not self.armed:
-            view = self.buffer.grad_view(self.name)
-            if self.unsharded.grad is not None:
-                self.buffer.fold_grad(self.name, self.unsharded.grad)
-            self.unsharded.grad = view
-            self.armed = True
-
-    def _on_grad(self, param: torch.Tensor) -> None:
-        """Post-accumulate hook: note the gradient, and fold a gradient autograd put
-        somewhere else: under ``create_graph=True`` it sets ``.grad = old + new`` out of place
-        (so a replacement of the armed view already holds the view's value), and a ``.grad``
-        that was ``None`` receives only the new contribution."""
-        self.got_grad = True
-        if not self.buffer.grad_is_view(self.name, param.grad):
-            self.buffer.fold_grad(self.name, param.grad, includes_view=self.armed)
-            param.grad = self.buffer.grad_view(self.name)
-            self.armed = True
-
-    def disarm_grad(self, *, reduced: bool) -> None:
-        """Let go of the gradient buffer's view (its memory is about to be freed); after a
-        reduction also forget that a gradient arrived."""
-        if self.unsharded is not None:
-            self.unsharded.grad = None
-        self.armed = False
-        if reduced:
-            self.got_grad = False
 
 
 @dataclass
@@ -125,14 +56,8 @@ class GroupConfig:
     unshard_in_backward: bool = True
     reduce_scatter_unused_params: bool = False
     gradient_divide_factor: float | None = None
-
-
-@dataclass
-class PendingReduce:
-    """A group's in-flight reduce-scatters, finished by :meth:`FSDPParamGroup.finish_reduce`."""
-
-    group: FSDPParamGroup
-    handles: list[CollectiveHandle] = field(default_factory=list)
+    prefetch: bool = True
+    reduce_in_flight: bool = True
 
 
 class FSDPParamGroup:
@@ -156,7 +81,11 @@ class FSDPParamGroup:
         self.config = GroupConfig()
         self.training_state = TrainingState.IDLE
         self.is_unsharded = False
-        self.backward_armed = False
+        # Whether a forward with autograd recording ran since the last backward of a step.
+        self.ran_grad_forward = False
+        self._pending: list[CollectiveHandle] | None = None
+        # Called with the group when its reduction finished (optimizer in backward).
+        self.after_reduce: Callable[[FSDPParamGroup], None] | None = None
         self._gathers: list[CollectiveHandle] | None = None
         self.post_forward_indices: list[int] = []
         self._uninitialised: dict[int, int] = {}
@@ -266,19 +195,33 @@ class FSDPParamGroup:
             b.free_unsharded()
         self.is_unsharded = False
 
+    @contextmanager
+    def use_training_state(self, state: TrainingState) -> Iterator[None]:
+        """Be in ``state`` for the block (e.g. a prefetch issued for the forward or the
+        backward, whose ``unshard`` honours ``unshard_in_backward``), then return to the
+        previous state, also when the block raises."""
+        previous, self.training_state = self.training_state, state
+        try:
+            yield
+        finally:
+            self.training_state = previous
+
     # ------------------------------------------------------------------------- forward
     def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                     register_post_backward: Callable[[FSDPParamGroup, tuple[Any, ...], dict[str, Any]],
                                                      tuple[tuple[Any, ...], dict[str, Any]]]
                     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Unshard for the forward and, when autograd records, hook the inputs so that the
-        backward through this group ends in :meth:`post_backward`."""
+        backward through this group ends in :meth:`post_backward`. A reduction of this
+        group still in flight is finished first: the next backward accumulates into the
+        gradient buffer that reduction reads."""
         entering = self.training_state != TrainingState.FORWARD
         self.training_state = TrainingState.FORWARD
+        self.finish_reduce()
         self.unshard()
         self.wait_for_unshard()
         if entering and torch.is_grad_enabled() and any(p.trainable for p in self.params):
-            self.backward_armed = True
+            self.ran_grad_forward = True
             args, kwargs = register_post_backward(self, args, kwargs)
         return args, kwargs
 
@@ -296,41 +239,50 @@ class FSDPParamGroup:
         if self.training_state == TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
+        self.finish_reduce()
         self.unshard()
         self.wait_for_unshard()
         if self.is_unsharded:
             for p in self.params:
                 if p.trainable:
-                    p.arm_grad()
+                    p.aim_grad()
 
-    def post_backward(self) -> PendingReduce | None:
-        """The group's gradients are complete: reduce-scatter them (asynchronously) unless
-        gradient sync is off, and reshard after backward when configured.
+    def post_backward(self) -> bool:
+        """The group's gradients are complete: reduce-scatter them (asynchronously, finished
+        by :meth:`finish_reduce`) unless gradient sync is off or no parameter got a gradient
+        in this backward, and reshard after backward when configured.
 
         Returns:
-            The pending reduction, or ``None`` when nothing is reduced.
+            Whether a reduction was started.
         """
         if self.training_state == TrainingState.POST_BACKWARD:
-            return None
+            return False
         self.training_state = TrainingState.POST_BACKWARD
-        if not self.config.reduce_grads or not self.backward_armed:
-            if self.backward_armed:
+        self.finish_reduce()
+        trainable = [p for p in self.params if p.trainable]
+        for p in trainable:
+            p.collect_grad()
+        got_grads = any(p.got_grad for p in trainable) or any(
+            b.has_grad_stash for b in self.trainable_buffers)
+        reduce_unused = self.config.reduce_scatter_unused_params and self.ran_grad_forward
+        if not self.config.reduce_grads or not (got_grads or reduce_unused):
+            if got_grads:
                 self._stash_grads()
             if self.config.reshard_after_backward:
                 self.reshard()
-            return None
-        pending = PendingReduce(self)
+            return False
+        handles: list[CollectiveHandle] = []
         with record_function(f"FSDP::post_backward_reduce ({self.label})"):
             for buffer in self.trainable_buffers:
-                self._prepare_sharded_grad(buffer)
                 op = "avg"
                 if self.config.gradient_divide_factor is not None:
                     kernels.scale_(buffer.grad_buffer, 1.0 / self.config.gradient_divide_factor)
                     op = "sum"
-                pending.handles.append(buffer.reduce_scatter(op, async_op=True))
+                handles.append(buffer.reduce_scatter(op, async_op=True))
+        self._pending = handles
         if self.config.reshard_after_backward:
             self.reshard()
-        return pending
+        return True
 
     def _stash_grads(self) -> None:
         """Without gradient sync, keep the accumulated gradients in ``reduce_dtype`` when it
@@ -338,46 +290,54 @@ class FSDPParamGroup:
         for buffer in self.trainable_buffers:
             if buffer.reduce_dtype != buffer.compute_dtype and buffer.has_grad:
                 for p in self._params_of(buffer):
-                    p.disarm_grad(reduced=False)
+                    p.release_grad(reduced=False)
                 buffer.stash_grad()
 
     def _params_of(self, buffer: DBuffer) -> Iterator[ManagedParam]:
         return (p for p in self.params if p.buffer is buffer)
 
-    def _prepare_sharded_grad(self, buffer: DBuffer) -> None:
-        """Make the sharded gradient buffer hold what each parameter's ``.grad`` says, so the
-        reduce-scatter can add into it: FSDP accumulates into an existing sharded gradient,
-        and a ``.grad`` set to ``None`` (``zero_grad()``) or replaced by the user must count
-        as zero or as the user's values."""
-        params = [p for p in self._params_of(buffer) if p.trainable]
-        if not buffer.has_sharded_grad:
-            return
-        if all(p.sharded.grad is None for p in params):
-            buffer.free_sharded_grad()
-            return
-        with torch.no_grad():
-            for p in params:
-                grad = p.sharded.grad
-                if grad is None:
-                    buffer.sharded_grad_view(p.name).zero_()
-                elif grad is not buffer.sharded_grad(p.name):
-                    local = grad.to_local() if hasattr(grad, "to_local") else grad
-                    buffer.sharded_grad_view(p.name).copy_(local.reshape(-1))
+    @property
+    def reduce_pending(self) -> bool:
+        """Whether a reduction started by :meth:`post_backward` is not finished yet."""
+        return self._pending is not None
 
-    def finish_reduce(self, pending: PendingReduce) -> None:
-        """Wait for the reduce-scatters, expose the sharded gradients and free the
-        unsharded gradient memory."""
+    def finish_reduce(self) -> None:
+        """Wait for the group's reduce-scatters (if any are in flight), give every
+        parameter that got a gradient its sharded ``.grad`` (running its post-accumulate-grad
+        hooks), and free the unsharded gradient memory. DBuffer then lets go of the sharded
+        gradients: the ``.grad`` tensors alone keep them, so ``zero_grad(set_to_none=True)``
+        frees them."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
         with record_function(f"FSDP::post_backward_wait ({self.label})"):
-            for handle in pending.handles:
+            for handle in pending:
                 handle.wait()
+        reduce_unused = self.config.reduce_scatter_unused_params
         for p in self.params:
             if not p.trainable:
                 continue
-            keep = p.got_grad or self.config.reduce_scatter_unused_params or p.sharded.grad is not None
-            p.sharded.grad = p.buffer.sharded_grad(p.name) if keep else None
-            p.disarm_grad(reduced=True)
+            if p.got_grad or reduce_unused:
+                p.take_sharded_grad(p.buffer.sharded_grad(p.name))
+            p.release_grad(reduced=True)
         for buffer in self.trainable_buffers:
             buffer.free_grad()
+            buffer.free_sharded_grad()
+        if self.after_reduce is not None:
+            self.after_reduce(self)
+
+    def finalize_backward(self, *, last: bool) -> None:
+        """The end of a backward pass for this group (the root's final callback): reduce
+        what the backward left unreduced (a group whose inputs needed no gradient never ran
+        :meth:`post_backward`), return to idle and, after the last backward of the step,
+        forget the forward order used for prefetching (1F1B keeps it across the micro-batches'
+        backwards). A reduction started here is finished by the caller."""
+        if self.training_state != TrainingState.POST_BACKWARD:
+            self.post_backward()
+        self.training_state = TrainingState.IDLE
+        if last:
+            self.ran_grad_forward = False
+            self.post_forward_indices.clear()
 
     def rebind_after_apply(self) -> None:
         """After ``nn.Module._apply`` swapped new tensors into the sharded parameters: move
@@ -403,25 +363,29 @@ class FSDPParamGroup:
                     else:
                         torch.utils.swap_tensors(
                             p.sharded, sharded_parameter(target, p.name, p.sharded.requires_grad))
-                        p.buffer, p.unsharded, p.armed = target, None, False
+                        p.buffer, p.unsharded = target, None
                     p.register(p.sharded)
 
     def reset_iter_state(self) -> None:
-        """Forget a failed iteration: finish in-flight gathers, drop unsharded gradients,
-        register the sharded parameters."""
+        """Forget a failed iteration: finish in-flight collectives, drop the failed
+        iteration's unsharded and reduced gradients, register the sharded parameters."""
         if self._gathers is not None:
             for handle in self._gathers:
                 handle.wait()
             self._gathers = None
             self.is_unsharded = True
+        pending, self._pending = self._pending, None
+        for handle in pending or ():
+            handle.wait()
         self.training_state = TrainingState.IDLE
-        self.backward_armed = False
+        self.ran_grad_forward = False
         self.post_forward_indices.clear()
         self.reshard()
         for p in self.params:
             if p.trainable:
-                p.disarm_grad(reduced=True)
+                p.release_grad(reduced=True)
         for buffer in self.trainable_buffers:
             buffer.free_grad()
+            buffer.free_sharded_grad()
 
 

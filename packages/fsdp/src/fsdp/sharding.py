@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp.buffers import make_buffer, sharded_parameter
-from fsdp.param_group import FSDPParamGroup, ManagedParam
+from fsdp.managed_param import ManagedParam
+from fsdp.param_group import FSDPParamGroup
 from fsdp.policies import UnitPolicy, resolve_unit
 
 # Marks set on parameters (tensors hash by identity but compare element-wise, so weak

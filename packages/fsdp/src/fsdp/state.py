@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.utils import _apply_to_tensors
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fsdp.param_group import FSDPParamGroup, PendingReduce, TrainingState
+from fsdp.param_group import FSDPParamGroup, TrainingState
 
 _STATE_ATTR = "_fsdp_ragged_state"
 
@@ -38,20 +38,54 @@ class StepContext:
     post_forward_order: list[FSDPParamGroup] = field(default_factory=list)
     forward_order: list[FSDPParamGroup] = field(default_factory=list)
     forward_order_complete: bool = False
-    pending_reduce: PendingReduce | None = None
+    reducing: list[FSDPParamGroup] = field(default_factory=list)
 
-    def wait_pending_reduce(self) -> None:
-        """Finish the one reduce-scatter kept in flight (bounding gradient memory)."""
-        pending, self.pending_reduce = self.pending_reduce, None
-        if pending is not None:
-            pending.group.finish_reduce(pending)
+    def finish_reduces(self) -> None:
+        """Finish every reduction still in flight."""
+        while self.reducing:
+            self.reducing.pop(0).finish_reduce()
 
-    def push_reduce(self, pending: PendingReduce | None) -> None:
-        """Keep ``pending`` in flight after finishing the previous one."""
-        if pending is None:
+    def post_backward(self, group: FSDPParamGroup, *, last: bool | None = None) -> None:
+        """Run ``group``'s post-backward (its ``finalize_backward`` at the end of a backward,
+        when ``last`` is given) with at most one reduction in flight: the previous one
+        finishes before this one starts, so at most one unsharded gradient buffer is being
+        reduced while the next group's backward runs; none stays in flight when the group's
+        ``reduce_in_flight`` is off."""
+        self.finish_reduces()
+        if last is None:
+            group.post_backward()
+        else:
+            group.finalize_backward(last=last)
+        if group.reduce_pending:
+            if group.config.reduce_in_flight:
+                self.reducing.append(group)
+            else:
+                group.finish_reduce()
+
+    def queue_final_callback(self) -> None:
+        """Have autograd call :meth:`end_backward` once, when the current backward ends."""
+        if self.final_callback_queued:
             return
-        self.wait_pending_reduce()
-        self.pending_reduce = pending
+        self.final_callback_queued = True
+        Variable._execution_engine.queue_callback(self.end_backward)
+
+    def end_backward(self) -> None:
+        """The end of a backward: every group finalizes its backward (reducing what the
+        backward left unreduced), all reductions finish, and the per-pass state resets; the
+        forward order used for prefetching is kept unless this was the step's last backward
+        (``set_is_last_backward``)."""
+        last = self.is_last_backward
+        with torch.profiler.record_function("FSDP::root_post_backward_callback"):
+            for state in reversed(self.all_states):
+                for group in state.groups:
+                    self.post_backward(group, last=last)
+                state.training_state = TrainingState.IDLE
+                state._modules_to_run.clear()
+            self.finish_reduces()
+            if last:
+                self.post_forward_order.clear()
+            self.iter_forward_root = None
+            self.final_callback_queued = False
 
 
 def get_state(module: nn.Module) -> FSDPState | None:
@@ -149,7 +183,7 @@ class FSDPState:
             self._lazy_init()
             if self.ctx.iter_forward_root is None:
                 self.ctx.iter_forward_root = self
-                self.ctx.wait_pending_reduce()
+                self.ctx.finish_reduces()
         args, kwargs = self._cast_inputs(args, kwargs)
         for group in self.groups:
             args, kwargs = group.pre_forward(
@@ -171,9 +205,9 @@ class FSDPState:
         else:
             targets = []
         for target in targets:
-            previous, target.training_state = target.training_state, TrainingState.FORWARD
-            target.unshard(async_op=True)
-            target.training_state = previous
+            if target.config.prefetch:
+                with target.use_training_state(TrainingState.FORWARD):
+                    target.unshard(async_op=True)
 
     def post_forward(self, output: Any) -> Any:
         """Reshard (when configured) and hook the outputs for the backward."""
@@ -206,9 +240,8 @@ class FSDPState:
                     # state dicts see the sharded parameters the optimizer holds.
                     group.to_sharded()
                 elif group.config.reshard_after_forward:
-                    previous, group.training_state = group.training_state, TrainingState.FORWARD
-                    group.reshard()
-                    group.training_state = previous
+                    with group.use_training_state(TrainingState.FORWARD):
+                        group.reshard()
         ctx.forward_order_complete = True
         ctx.iter_forward_root = None
         return output
@@ -239,7 +272,7 @@ class FSDPState:
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         self.training_state = TrainingState.PRE_BACKWARD
-        self._queue_final_callback()
+        self.ctx.queue_final_callback()
         for group in self.groups:
             first = group.training_state != TrainingState.PRE_BACKWARD
             group.pre_backward()
@@ -257,40 +290,12 @@ class FSDPState:
         if index > 0:
             _prefetch_for_backward(self.ctx.post_forward_order[index - 1])
 
-    def _queue_final_callback(self) -> None:
-        if self.ctx.final_callback_queued:
-            return
-        self.ctx.final_callback_queued = True
-        Variable._execution_engine.queue_callback(self._final_callback)
-
-    def _final_callback(self) -> None:
-        """End of backward: reduce what was not reduced, wait, reshard, reset."""
-        ctx = self.ctx
-        with torch.profiler.record_function("FSDP::root_post_backward_callback"):
-            for state in reversed(ctx.all_states):
-                for group in state.groups:
-                    if group.training_state != TrainingState.POST_BACKWARD:
-                        ctx.push_reduce(group.post_backward())
-            ctx.wait_pending_reduce()
-            for state in ctx.all_states:
-                state.training_state = TrainingState.IDLE
-                state._modules_to_run.clear()
-                for group in state.groups:
-                    group.training_state = TrainingState.IDLE
-                    group.backward_armed = False
-                    group.post_forward_indices.clear()
-            ctx.post_forward_order.clear()
-            ctx.final_callback_queued = False
-
     def reset_iter_state(self) -> None:
         """Recover from a forward or backward that raised (see ``FSDPModule``)."""
         if self.is_root is False:
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
         ctx = self.ctx
-        pending, ctx.pending_reduce = ctx.pending_reduce, None
-        if pending is not None:
-            for handle in pending.handles:
-                handle.wait()
+        ctx.reducing.clear()
         for state in ctx.all_states or [self]:
             state.training_state = TrainingState.IDLE
             state._modules_to_run.clear()
@@ -302,9 +307,9 @@ class FSDPState:
 
 
 def _prefetch_for_backward(group: FSDPParamGroup) -> None:
-    previous, group.training_state = group.training_state, TrainingState.PRE_BACKWARD
-    group.unshard(async_op=True)
-    group.training_state = previous
+    if group.config.prefetch:
+        with group.use_training_state(TrainingState.PRE_BACKWARD):
+            group.unshard(async_op=True)
 
 
 def _cast_floating(dtype: torch.dtype, tensor: torch.Tensor) -> torch.Tensor:
@@ -326,7 +331,12 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.context.push_reduce(ctx.group.post_backward())
+        context: StepContext = ctx.context
+        context.post_backward(ctx.group)
+        # A backward that reached no pre-backward hook (a module of a group called outside
+        # the group's forward, e.g. a chunked loss calling the head) still ends in the final
+        # callback, which finishes its reductions.
+        context.queue_final_callback()
         return (None, None, *grads)
 
 

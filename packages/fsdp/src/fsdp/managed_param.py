@@ -1,0 +1,141 @@
+"""One parameter of a ``fully_shard`` group: where it is registered, where its memory lives,
+and the one owner of its unsharded gradient's identity.
+
+The unsharded parameter's ``.grad`` is the single source of truth for its gradient, and this
+class is the only code that decides what that ``.grad`` is:
+
+* before a backward (:meth:`ManagedParam.aim_grad`) it becomes the gradient buffer's view, so
+  autograd accumulates in place into the buffer (no per-parameter gradient, no copy);
+* autograd may still put the gradient somewhere else: a module of the group called outside
+  the group's forward (a chunked loss calling the head directly) gets a fresh ``.grad`` before
+  any pre-backward hook ran, ``create_graph=True`` replaces ``.grad`` by ``.grad + new``, a user
+  may assign ``.grad``. Whatever tensor ``.grad`` is when the group's backward ends *is* the
+  gradient, so :meth:`ManagedParam.collect_grad` copies it into the buffer and points ``.grad``
+  at the view again;
+* before the buffer's memory is freed, :meth:`ManagedParam.release_grad` drops ``.grad``, so a
+  ``.grad`` never points into freed memory (autograd would write through it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from dbuffer import DBuffer
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(eq=False)
+class ManagedParam:
+    """One parameter of a group.
+
+    Attributes:
+        name: unique name inside the group (its DBuffer key).
+        slots: every ``(module, attribute)`` that registers it (tied weights have several).
+        buffer: the DBuffer holding it.
+        sharded: the registered sharded parameter (a RaggedShard DTensor over the buffer).
+        unsharded: the unsharded parameter (a view of the unsharded buffer), made on first
+            unshard and kept, since the buffer keeps its storage across free and re-gather.
+        got_grad: whether autograd delivered a gradient since the last reduction (FSDP2
+            gives a sharded ``.grad`` only to parameters that got one).
+    """
+
+    name: str
+    slots: list[tuple[nn.Module, str]]
+    buffer: DBuffer
+    sharded: nn.Parameter
+    unsharded: nn.Parameter | None = None
+    got_grad: bool = False
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the parameter requires a gradient (its buffer has gradient memory)."""
+        return self.sharded.requires_grad
+
+    def register(self, param: nn.Parameter) -> None:
+        """Make ``param`` the registered parameter at every slot (no ``nn.Module`` checks,
+        so the swap costs a dict write per slot)."""
+        for module, attr in self.slots:
+            module._parameters[attr] = param
+
+    def unsharded_param(self) -> nn.Parameter:
+        """The unsharded parameter, created on first use as a view of the unsharded buffer."""
+        if self.unsharded is None:
+            view = self.buffer.unsharded_view(self.name)
+            self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
+            if self.trainable:
+                self.unsharded.register_post_accumulate_grad_hook(self._note_grad)
+        return self.unsharded
+
+    def _note_grad(self, param: torch.Tensor) -> None:
+        del param
+        self.got_grad = True
+
+    # ------------------------------------------------------------- the unsharded .grad
+    def aim_grad(self) -> None:
+        """Point ``.grad`` at the gradient buffer's view (allocated zero-filled if freed), so
+        autograd accumulates in place; a ``.grad`` autograd already made elsewhere is the
+        gradient so far and is moved into the view first."""
+        assert self.unsharded is not None
+        grad = self.unsharded.grad
+        if grad is not None and self.buffer.grad_is_view(self.name, grad):
+            return
+        view = self.buffer.grad_view(self.name)
+        if grad is not None:
+            self._copy_into(view, grad)
+        self.unsharded.grad = view
+
+    def collect_grad(self) -> None:
+        """At the end of the group's backward: make the buffer hold what ``.grad`` says (a
+        replaced or fresh ``.grad`` is copied in; ``.grad`` set to ``None`` after a gradient
+        arrived reads as zero)."""
+        if self.unsharded is None:
+            return
+        grad = self.unsharded.grad
+        if grad is None:
+            if self.got_grad and self.buffer.has_grad:
+                self.buffer.grad_view(self.name).zero_()
+                self.got_grad = False
+            return
+        if not self.buffer.grad_is_view(self.name, grad):
+            view = self.buffer.grad_view(self.name)
+            self._copy_into(view, grad)
+            self.unsharded.grad = view
+
+    def _copy_into(self, view: torch.Tensor, grad: torch.Tensor) -> None:
+        if isinstance(grad, DTensor) or tuple(grad.shape) != tuple(view.shape):
+            raise ValueError(f"parameter {self.name!r}: its unsharded .grad must be a plain "
+                             f"tensor of shape {tuple(view.shape)}, got "
+                             f"{type(grad).__name__} of shape {tuple(grad.shape)}")
+        with torch.no_grad():
+            view.copy_(grad)
+        self.got_grad = True
+
+    def release_grad(self, *, reduced: bool) -> None:
+        """Drop ``.grad`` (the buffer's memory is about to be freed); after a reduction also
+        forget that a gradient arrived."""
+        if self.unsharded is not None:
+            self.unsharded.grad = None
+        if reduced:
+            self.got_grad = False
+
+    # --------------------------------------------------------------- the sharded .grad
+    def take_sharded_grad(self, new: DTensor) -> None:
+        """Give the sharded parameter the reduced gradient ``new`` (a view of the buffer's
+        sharded gradients, owned by reference), adding it to a ``.grad`` that is already
+        there (accumulation across reductions, as FSDP2 does), then run the sharded
+        parameter's post-accumulate-grad hooks (optimizer in backward, per parameter)."""
+        existing = self.sharded.grad
+        if existing is None:
+            self.sharded.grad = new
+        else:
+            if not isinstance(existing, DTensor) or existing.placements != new.placements:
+                raise TypeError(f"parameter {self.name!r}: cannot accumulate the reduced "
+                                f"gradient into a .grad of type {type(existing).__name__} "
+                                "(expected the DTensor fsdp set, or one placed like it)")
+            with torch.no_grad():
+                existing._local_tensor.add_(new._local_tensor)
+        hooks = getattr(self.sharded, "_post_accumulate_grad_hooks", None) or {}
+        for hook in hooks.values():
+            hook(self.sharded)
