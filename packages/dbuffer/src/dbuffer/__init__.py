@@ -9,5 +9,7 @@ from dbuffer import kernels
 from dbuffer.buffer import DBuffer
 from dbuffer.collectives import CollectiveHandle
 from dbuffer.errors import SUPPORTED_DTYPES, FreedBufferError
+from dbuffer.freed import is_released, release_in_place
 
-__all__ = ["SUPPORTED_DTYPES", "CollectiveHandle", "DBuffer", "FreedBufferError", "kernels"]
+__all__ = ["SUPPORTED_DTYPES", "CollectiveHandle", "DBuffer", "FreedBufferError", "is_released", "kernels",
+           "release_in_place"]

@@ -141,3 +141,42 @@ def unfence(tensor: torch.Tensor) -> None:
     tensor.__class__ = getattr(tensor, _CLASS)
     delattr(tensor, _MESSAGE)
     delattr(tensor, _CLASS)
+
+
+def release_in_place(tensors: list[torch.Tensor], message: str) -> None:
+    """Free the memory behind ``tensors`` now, whoever else holds the objects, and make every
+    later data use of them raise :class:`~dbuffer.errors.FreedBufferError` with ``message``.
+
+    For memory that a set of views owns by reference (fsdp's sharded gradients) when the
+    views must stay in place but their values are spent: fsdp's memory-first mode steps a
+    group's parameters inside backward and releases their gradients this way, so a later
+    ``clip_grad_norm_`` or ``optimizer.step()`` that would silently see nothing raises
+    instead. Each storage is resized to zero bytes once; a DTensor's local tensor is fenced
+    with it.
+
+    Args:
+        tensors: plain tensors or DTensors (views of one or more storages).
+        message: what the error says when one is used.
+    """
+    storages: dict[int, torch.UntypedStorage] = {}
+    for tensor in tensors:
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        storages[storage._cdata] = storage
+        fence(tensor, message)
+        if local is not tensor:
+            fence(local, message)
+    for storage in storages.values():
+        storage.resize_(0)
+
+
+def is_released(tensor: object) -> bool:
+    """Whether ``tensor`` is fenced: freed by its DBuffer or by :func:`release_in_place`.
+
+    Args:
+        tensor: any object.
+
+    Returns:
+        True for a tensor whose data uses raise :class:`~dbuffer.errors.FreedBufferError`.
+    """
+    return isinstance(tensor, (FreedTensor, FreedDTensor))

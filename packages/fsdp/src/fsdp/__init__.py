@@ -12,6 +12,7 @@ hung raises a ``PeerFailureError`` naming that rank.
 """
 
 from fsdp.fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from fsdp.optimizer_in_backward import optimizer_in_backward
 from fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnitPolicy, row_unit
 from ragged_dtensor import PeerFailureError, record_failure, set_roll_call_timeout
 
@@ -26,6 +27,7 @@ __all__ = [
     "UnitPolicy",
     "UnshardHandle",
     "fully_shard",
+    "optimizer_in_backward",
     "record_failure",
     "register_fsdp_forward_method",
     "row_unit",

@@ -258,8 +258,14 @@ class FSDPModule:
         self._get_fsdp_state().reset_iter_state()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last of the step (kept for FSDP2 compatibility:
-        fsdp always finishes its reductions at the end of each backward)."""
+        """Whether the next backward is the last of the step. A backward that is not (a
+        micro-batch's, with more forwards' backwards to come) keeps the forward order that
+        backward prefetching follows, as FSDP2 does; reductions finish at the end of every
+        backward either way.
+
+        Args:
+            is_last_backward: whether it is the last.
+        """
         self._get_fsdp_state().ctx.is_last_backward = is_last_backward
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
@@ -316,6 +322,37 @@ class FSDPModule:
         """
         for group in self._groups(recurse):
             group.config.reshard_after_backward = reshard_after_backward
+
+    def set_prefetch(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Whether the module's groups are all-gathered ahead of use (one group ahead in
+        forward and backward, or the modules ``set_modules_to_*_prefetch`` named).
+
+        Prefetch overlaps each all-gather with the previous group's compute at the cost of a
+        second unsharded group alive at once; off, every all-gather waits in line and at most
+        one unsharded group (besides the root's) exists. Measured costs and savings are in
+        the fsdp page's memory section.
+
+        Args:
+            enabled: whether to prefetch.
+            recurse: also for every sharded submodule.
+        """
+        for group in self._groups(recurse):
+            group.config.prefetch = bool(enabled)
+
+    def set_reduce_in_flight(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Whether a group's reduce-scatter may run while the next group's backward computes.
+
+        On (the default), at most one reduce-scatter is in flight: it is finished before the
+        next one starts, so one unsharded gradient buffer is being reduced while the next
+        group's fills. Off, each reduce-scatter finishes before backward continues, so only
+        the group in backward holds an unsharded gradient buffer.
+
+        Args:
+            enabled: whether to keep one reduce-scatter in flight.
+            recurse: also for every sharded submodule.
+        """
+        for group in self._groups(recurse):
+            group.config.reduce_in_flight = bool(enabled)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters right after this module's, in forward

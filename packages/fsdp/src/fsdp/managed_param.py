@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from dbuffer import DBuffer
+from dbuffer import DBuffer, is_released
 from torch.distributed.tensor import DTensor
 
 
@@ -125,9 +125,10 @@ class ManagedParam:
         """Give the sharded parameter the reduced gradient ``new`` (a view of the buffer's
         sharded gradients, owned by reference), adding it to a ``.grad`` that is already
         there (accumulation across reductions, as FSDP2 does), then run the sharded
-        parameter's post-accumulate-grad hooks (optimizer in backward, per parameter)."""
+        parameter's post-accumulate-grad hooks (optimizer in backward, per parameter). A
+        ``.grad`` that memory-first mode released is replaced, not added to."""
         existing = self.sharded.grad
-        if existing is None:
+        if existing is None or is_released(existing):
             self.sharded.grad = new
         else:
             if not isinstance(existing, DTensor) or existing.placements != new.placements:

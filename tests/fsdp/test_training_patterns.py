@@ -1,0 +1,353 @@
+"""Training patterns FSDP2 users rely on, each against one process and against FSDP2 in the
+same test (world sizes 2 and 3; the odd sizes leave ranks with zero units of small tensors):
+
+* a chunked loss: the root's forward skips the head, then the head is called directly on
+  chunks of the hidden states, each chunk with its own backward, with and without gradient
+  accumulation (``set_requires_gradient_sync`` / ``set_is_last_backward``), the head grouped
+  with the final norm (``fully_shard([norm, head])``) or alone;
+* optimizer in backward through post-accumulate-grad hooks on the sharded parameters;
+* micro-batching with several forwards before their backwards (``set_is_last_backward``);
+* gradient memory: nothing outlives ``zero_grad(set_to_none=True)``, and at most one
+  reduce-scatter is in flight.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.fsdp.models import full, import_fsdp
+from tests.harness import device_mesh
+
+DIM, VOCAB, CHUNKS = 30, 67, 4
+
+
+class ChunkedHeadModel(nn.Module):
+    """embed -> body -> norm (-> head): ``forward(skip_head=True)`` returns the normed hidden
+    states for a chunked loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.body = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        h = self.norm(self.body(self.embed(tokens)))
+        return h if skip_head else self.head(h)
+
+
+def _new_model() -> ChunkedHeadModel:
+    torch.manual_seed(7)
+    return ChunkedHeadModel()
+
+
+def _shard(model: ChunkedHeadModel, impl: str, grouped: bool, **kwargs: Any) -> None:
+    api = import_fsdp(impl)
+    mesh = device_mesh(dist.get_world_size())
+    api.fully_shard(model.embed, mesh=mesh, **kwargs)
+    api.fully_shard(model.body, mesh=mesh, **kwargs)
+    if grouped:
+        api.fully_shard([model.norm, model.head], mesh=mesh, **kwargs)
+    else:
+        api.fully_shard(model.norm, mesh=mesh, **kwargs)
+        api.fully_shard(model.head, mesh=mesh, **kwargs)
+    api.fully_shard(model, mesh=mesh, **kwargs)
+
+
+def _tokens(micro: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * micro + rank)
+    return torch.randint(VOCAB, (2, 12), generator=g)
+
+
+def _chunked_backward(model: nn.Module, tokens: torch.Tensor) -> float:
+    """The chunked-loss pattern: every chunk's head backward on its own, then the body's."""
+    h = model(tokens, skip_head=True)
+    grads, total = [], 0.0
+    for chunk in torch.chunk(h.detach(), CHUNKS, dim=1):
+        chunk = chunk.contiguous().requires_grad_(True)
+        loss = model.head(chunk).float().pow(2).mean()
+        loss.backward()
+        grads.append(chunk.grad)
+        total += loss.item()
+    h.backward(torch.cat(grads, dim=1))
+    return total
+
+
+def _set_sync(model: nn.Module, sync: bool) -> None:
+    model.set_requires_gradient_sync(sync)
+    model.set_is_last_backward(sync)
+
+
+def _chunked_run(impl: str | None, grouped: bool, micro: int) -> dict[str, Any]:
+    """Three steps of ``micro`` micro-batches each; ``impl=None`` is the one-process
+    reference (every rank's micro-batches in one process, gradients averaged over ranks)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _new_model()
+    if impl is not None:
+        _shard(model, impl, grouped)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        total = 0.0
+        for m in range(micro):
+            if impl is None:
+                for r in range(world):
+                    total += _chunked_backward(model, _tokens(10 * step + m, r))
+            else:
+                _set_sync(model, m == micro - 1)
+                total += _chunked_backward(model, _tokens(10 * step + m, rank))
+        if impl is None:
+            for p in model.parameters():
+                p.grad /= world
+        else:
+            t = torch.tensor([total])
+            dist.all_reduce(t)
+            total = t.item()
+        losses.append(total)
+        grads = {n: full(p.grad) for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=step % 2 == 0)
+    return {"losses": losses, "grads": grads,
+            "params": {n: full(p) for n, p in model.named_parameters()}}
+
+
+def _max_error(got: dict[str, Any], ref: dict[str, Any]) -> float:
+    errors = [abs(a - b) for a, b in zip(got["losses"], ref["losses"])]
+    for key in ("grads", "params"):
+        errors += [(got[key][n] - ref[key][n]).abs().max().item() for n in ref[key]]
+    return max(errors)
+
+
+def _chunked_case(grouped: bool, micro: int) -> dict[str, float]:
+    ref = _chunked_run(None, grouped, micro)
+    return {impl: _max_error(_chunked_run(impl, grouped, micro), ref) for impl in ("torch", "fsdp")}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("grouped,micro", [(True, 1), (True, 3), (False, 3)])
+def test_chunked_loss_with_a_directly_called_head(ranks, world: int, grouped: bool,
+                                                  micro: int) -> None:
+    for errors in ranks.run(world, _chunked_case, grouped, micro):
+        assert errors["fsdp"] <= max(2 * errors["torch"], 1e-5), errors
+
+
+def _hook_optimizer_run(impl: str | None) -> dict[str, Any]:
+    """Optimizer in backward, per parameter: each sharded parameter's post-accumulate-grad
+    hook steps its own SGD and drops the gradient; ``impl=None`` steps one SGD normally."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _new_model()
+    calls = {"n": 0}
+    if impl is None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        _shard(model, impl, grouped=False)
+        optimizers = {p: torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in model.parameters()}
+
+        def hook(p: torch.Tensor) -> None:
+            calls["n"] += 1
+            optimizers[p].step()
+            optimizers[p].zero_grad()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+    for step in range(3):
+        if impl is None:
+            for r in range(world):
+                model(_tokens(step, r)).float().pow(2).mean().backward()
+            for p in model.parameters():
+                p.grad /= world
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            model(_tokens(step, rank)).float().pow(2).mean().backward()
+            assert all(p.grad is None for p in model.parameters())
+    return {"calls": calls["n"], "params": {n: full(p) for n, p in model.named_parameters()}}
+
+
+def _hook_optimizer_case() -> dict[str, Any]:
+    ref = _hook_optimizer_run(None)
+    out = {}
+    for impl in ("torch", "fsdp"):
+        got = _hook_optimizer_run(impl)
+        out[impl] = (got["calls"], max((got["params"][n] - ref["params"][n]).abs().max().item()
+                                       for n in ref["params"]))
+    out["n_params"] = len(ref["params"])
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_post_accumulate_grad_hooks_run_once_per_step_with_the_sharded_gradient(ranks, world):
+    for out in ranks.run(world, _hook_optimizer_case):
+        calls, error = out["fsdp"]
+        assert calls == 3 * out["n_params"] == out["torch"][0]
+        assert error <= max(2 * out["torch"][1], 1e-6), out
+
+
+def _interleaved_run(impl: str | None) -> dict[str, Any]:
+    """Two micro-batches' forwards, then their backwards (1F1B's pattern): the first
+    backward is not the last; gradients sync on the last one only."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _new_model()
+    if impl is not None:
+        _shard(model, impl, grouped=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        if impl is None:
+            for r in range(world):
+                for m in range(2):
+                    model(_tokens(10 * step + m, r)).float().pow(2).mean().backward()
+            for p in model.parameters():
+                p.grad /= world
+        else:
+            losses = [model(_tokens(10 * step + m, rank)).float().pow(2).mean() for m in range(2)]
+            for m, loss in enumerate(losses):
+                _set_sync(model, m == 1)
+                loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: full(p) for n, p in model.named_parameters()}
+
+
+def _interleaved_case() -> dict[str, float]:
+    ref = _interleaved_run(None)
+    return {impl: max((got[n] - ref[n]).abs().max().item() for n in ref)
+            for impl, got in (("torch", _interleaved_run("torch")),
+                              ("fsdp", _interleaved_run("fsdp")))}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_forwards_before_backwards_with_is_last_backward(ranks, world):
+    for errors in ranks.run(world, _interleaved_case):
+        assert errors["fsdp"] <= max(2 * errors["torch"], 1e-6), errors
+
+
+def _gradient_memory_case(prefetch: bool, in_flight: bool) -> dict[str, Any]:
+    from fsdp.state import get_state
+
+    model = _new_model()
+    _shard(model, "fsdp", grouped=False)
+    model.set_prefetch(prefetch)
+    model.set_reduce_in_flight(in_flight)
+    ctx = get_state(model).ctx
+    groups = [g for m in model.modules() if (s := get_state(m)) is not None for g in s.groups]
+    in_flight_seen: list[int] = []
+    grad_buffers_seen: list[int] = []
+    post_backward = ctx.post_backward
+
+    def traced_post_backward(group: Any, **kwargs: Any) -> None:
+        post_backward(group, **kwargs)
+        in_flight_seen.append(len(ctx.reducing))
+
+    def traced_pre_backward(group: Any, original: Any) -> None:
+        original()
+        # the moment a group's gradient buffer is allocated: count all that are alive
+        grad_buffers_seen.append(sum(b.has_grad for g in groups for b in g.trainable_buffers))
+
+    ctx.post_backward = traced_post_backward
+    for g in groups:
+        g.pre_backward = functools.partial(traced_pre_backward, g, g.pre_backward)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        model(_tokens(step, dist.get_rank())).float().pow(2).mean().backward()
+        flats = [weakref.ref(p.grad.to_local()._base) for p in model.parameters()
+                 if p.grad.to_local()._base is not None]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+    return {"max_in_flight": max(in_flight_seen), "max_grad_buffers": max(grad_buffers_seen),
+            "flats_alive": sum(f() is not None for f in flats), "flats": len(flats),
+            "has_grad": [b.has_grad or b.has_sharded_grad for g in groups
+                         for b in g.trainable_buffers],
+            "params": {n: full(p) for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradient_memory_is_bounded_and_freed_by_zero_grad(ranks, world):
+    outs = {(prefetch, in_flight): ranks.run(world, _gradient_memory_case, prefetch, in_flight)
+            for prefetch, in_flight in ((True, True), (False, False))}
+    for (prefetch, in_flight), per_rank in outs.items():
+        for out in per_rank:
+            assert out["flats"] > 0
+            assert out["flats_alive"] == 0  # zero_grad(set_to_none=True) released them
+            assert not any(out["has_grad"])  # no gradient memory between steps
+            assert out["max_in_flight"] <= (1 if in_flight else 0)
+            # the group in backward, and the one being reduced if in flight
+            assert out["max_grad_buffers"] == (2 if in_flight else 1)
+    for a, b in zip(outs[(True, True)], outs[(False, False)]):
+        for n in a["params"]:
+            assert torch.equal(a["params"][n], b["params"][n]), n
+
+
+def _memory_first_run(memory_first: bool, optimizer_name: str) -> dict[str, Any]:
+    import block_optim
+    from dbuffer import FreedBufferError
+
+    import fsdp
+
+    model = _new_model()
+    policy = block_optim.Muon.unit_policy() if optimizer_name == "muon" else None
+    mesh = device_mesh(dist.get_world_size())
+    for m in (model.embed, model.body, model.norm, model.head):
+        fsdp.fully_shard(m, mesh=mesh, unit_policy=policy)
+    fsdp.fully_shard(model, mesh=mesh, unit_policy=policy)
+    if optimizer_name == "muon":
+        optimizer: torch.optim.Optimizer = block_optim.Muon(
+            [{"params": [p for n, p in model.named_parameters() if n.startswith("body")]},
+             {"params": [p for n, p in model.named_parameters() if not n.startswith("body")],
+              "use_muon": False}], lr=0.02)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if memory_first:
+        fsdp.optimizer_in_backward(model, optimizer)
+    grads_alive: list[int] = []
+    for step in range(3):
+        loss = model(_tokens(step, dist.get_rank())).float().pow(2).mean()
+        if memory_first:
+            loss.backward()
+            grads_alive.append(sum(p.grad is not None and not fsdp_released(p.grad)
+                                   for p in model.parameters()))
+        else:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    raised = None
+    if memory_first:
+        try:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        except FreedBufferError as error:
+            raised = str(error)
+        optimizer.zero_grad(set_to_none=True)
+    return {"params": {n: full(p) for n, p in model.named_parameters()}, "raised": raised,
+            "grads_alive": grads_alive}
+
+
+def fsdp_released(t: torch.Tensor) -> bool:
+    from dbuffer import is_released
+
+    return is_released(t)
+
+
+def _memory_first_case(optimizer_name: str) -> dict[str, Any]:
+    ordinary = _memory_first_run(False, optimizer_name)
+    first = _memory_first_run(True, optimizer_name)
+    error = max((first["params"][n] - ordinary["params"][n]).abs().max().item()
+                for n in ordinary["params"])
+    return {"error": error, "raised": first["raised"], "grads_alive": first["grads_alive"]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("optimizer_name", ["adamw", "muon"])
+def test_memory_first_mode_equals_the_ordinary_step(ranks, world, optimizer_name):
+    for out in ranks.run(world, _memory_first_case, optimizer_name):
+        assert out["error"] == 0.0, out
+        assert out["grads_alive"] == [0, 0, 0]  # every gradient was stepped and released
+        assert "optimizer_in_backward" in out["raised"]
