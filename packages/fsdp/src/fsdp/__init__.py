@@ -12,7 +12,7 @@ hung raises a ``PeerFailureError`` naming that rank.
 """
 
 from fsdp.fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
-from fsdp.optimizer_in_backward import optimizer_in_backward
+from fsdp.memory_first import optimizer_in_backward
 from fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnitPolicy, row_unit
 from ragged_dtensor import PeerFailureError, record_failure, set_roll_call_timeout
 
