@@ -351,3 +351,78 @@ def test_memory_first_mode_equals_the_ordinary_step(ranks, world, optimizer_name
         assert out["error"] == 0.0, out
         assert out["grads_alive"] == [0, 0, 0]  # every gradient was stepped and released
         assert "optimizer_in_backward" in out["raised"]
+
+
+class _CheckpointedBody(nn.Module):
+    """The body of :class:`ChunkedHeadModel` run under activation checkpointing, in one of
+    torch's four forms."""
+
+    def __init__(self, body: nn.Module, mode: str) -> None:
+        super().__init__()
+        from torch.distributed._composable import checkpoint as composable_checkpoint
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        self.mode = mode
+        if mode == "wrapper":
+            body = checkpoint_wrapper(body)
+        elif mode == "composable":
+            composable_checkpoint(body)
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        if self.mode in ("reentrant", "non_reentrant"):
+            return checkpoint(self.body, x, use_reentrant=self.mode == "reentrant")
+        return self.body(x)
+
+
+def _checkpoint_run(impl: str | None, mode: str | None) -> dict[str, Any]:
+    from tests.dbuffer.collective_log import record_collectives
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _new_model()
+    inner = model.body
+    if mode is not None:
+        model.body = _CheckpointedBody(inner, mode)
+    if impl is not None:
+        api = import_fsdp(impl)
+        mesh = device_mesh(world)
+        for m in (model.embed, inner, model.norm, model.head):
+            api.fully_shard(m, mesh=mesh)
+        api.fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gathers = []
+    for step in range(3):
+        with record_collectives() as log:
+            if impl is None:
+                for r in range(world):
+                    model(_tokens(step, r)).float().pow(2).mean().backward()
+                for p in model.parameters():
+                    p.grad /= world
+            else:
+                model(_tokens(step, rank)).float().pow(2).mean().backward()
+        gathers.append(sum(c.name.startswith("all_gather") for c in log))
+        optimizer.step()
+        optimizer.zero_grad()
+    # in registration order: the wrappers rename the body's parameters
+    return {"params": [full(p) for p in model.parameters()], "gathers": gathers}
+
+
+def _checkpoint_case(mode: str) -> dict[str, Any]:
+    ref = _checkpoint_run(None, None)
+    out: dict[str, Any] = {}
+    for impl in ("torch", "fsdp"):
+        got = _checkpoint_run(impl, mode)
+        out[impl] = max((a - b).abs().max().item() for a, b in zip(got["params"], ref["params"]))
+    out["gathers"] = _checkpoint_run("fsdp", mode)["gathers"]
+    out["gathers_without"] = _checkpoint_run("fsdp", None)["gathers"]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant", "wrapper", "composable"])
+def test_activation_checkpointing_matches_and_gathers_nothing_twice(ranks, mode):
+    for out in ranks.run(3, _checkpoint_case, mode):
+        assert out["fsdp"] <= max(2 * out["torch"], 1e-6), out
+        # the recompute runs while the body is unsharded for its backward: no extra gather
+        assert out["gathers"] == out["gathers_without"], out

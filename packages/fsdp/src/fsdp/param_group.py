@@ -87,6 +87,7 @@ class FSDPParamGroup:
         # Called with the group when its reduction finished (optimizer in backward).
         self.after_reduce: Callable[[FSDPParamGroup], None] | None = None
         self._gathers: list[CollectiveHandle] | None = None
+        self._gathered_versions: list[int] = []
         self.post_forward_indices: list[int] = []
         self._uninitialised: dict[int, int] = {}
         # state_dict() and load_state_dict() must see the sharded parameters (a root keeps
@@ -152,17 +153,27 @@ class FSDPParamGroup:
             RuntimeError: for parameters built on the meta device and never written (the
                 same on every rank).
         """
-        if self._gathers is not None or self.is_unsharded:
+        if self._gathers is not None:
             return
+        if self.is_unsharded:
+            if self._gathered_versions == self._sharded_versions():
+                return
+            # The sharded parameters changed since the gather (an optimizer step while the
+            # group stayed unsharded): the unsharded values are stale, gather again.
+            self.to_sharded()
         self._adopt_assigned_params()
         if self._uninitialised:
             self._check_initialised()
         if not self.config.unshard_in_backward and self.training_state == TrainingState.PRE_BACKWARD:
             return
         with record_function(f"FSDP::all_gather ({self.label})"):
+            self._gathered_versions = self._sharded_versions()
             self._gathers = [b.all_gather(async_op=True) for b in self.buffers]
         if not async_op:
             self.wait_for_unshard()
+
+    def _sharded_versions(self) -> list[int]:
+        return [b.sharded_buffer._version for b in self.buffers]
 
     def wait_for_unshard(self) -> None:
         """Finish the all-gather and register the unsharded parameters."""
@@ -226,11 +237,14 @@ class FSDPParamGroup:
         return args, kwargs
 
     def post_forward(self, order: list[FSDPParamGroup]) -> None:
-        """Reshard after forward when configured; record the group's place in ``order``
-        (backward prefetches in reverse)."""
-        self.reshard()
-        self.post_forward_indices.append(len(order))
-        order.append(self)
+        """Reshard after forward when configured and record the group's place in ``order``
+        (backward prefetches in reverse), unless the forward ran inside a backward (a
+        reentrant checkpoint's recompute, whose backward follows at once and whose place in
+        the order was recorded by the first forward)."""
+        if torch._C._current_graph_task_id() == -1:
+            self.reshard()
+            self.post_forward_indices.append(len(order))
+            order.append(self)
         self.training_state = TrainingState.IDLE
 
     # ------------------------------------------------------------------------ backward
@@ -334,6 +348,8 @@ class FSDPParamGroup:
         backwards). A reduction started here is finished by the caller."""
         if self.training_state != TrainingState.POST_BACKWARD:
             self.post_backward()
+        elif self.config.reshard_after_backward and self._gathers is not None:
+            self.to_sharded()  # a prefetch the backward never used
         self.training_state = TrainingState.IDLE
         if last:
             self.ran_grad_forward = False

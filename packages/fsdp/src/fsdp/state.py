@@ -179,9 +179,13 @@ class FSDPState:
             return self._cast_inputs(args, kwargs)
         first_in_pass = self.training_state != TrainingState.FORWARD
         self.training_state = TrainingState.FORWARD
+        # A reentrant checkpoint recomputes its forward inside the backward, with no
+        # pre-backward hook having fired (its first forward ran without grad): it is part of
+        # that backward, not a new iteration, so it neither starts one nor prefetches.
+        recompute = _in_backward()
         if first_in_pass:
             self._lazy_init()
-            if self.ctx.iter_forward_root is None:
+            if self.ctx.iter_forward_root is None and not recompute:
                 self.ctx.iter_forward_root = self
                 self.ctx.finish_reduces()
         args, kwargs = self._cast_inputs(args, kwargs)
@@ -191,7 +195,7 @@ class FSDPState:
             if self.ctx.iter_forward_root is not None and not self.ctx.forward_order_complete:
                 if group not in self.ctx.forward_order:
                     self.ctx.forward_order.append(group)
-        if first_in_pass:
+        if first_in_pass and not recompute:
             self._forward_prefetch()
         return args, kwargs
 
@@ -304,6 +308,11 @@ class FSDPState:
         ctx.post_forward_order.clear()
         ctx.iter_forward_root = None
         ctx.final_callback_queued = False
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _prefetch_for_backward(group: FSDPParamGroup) -> None:
