@@ -76,8 +76,6 @@ _PRIVATE_MANAGED = Exclusion("private", "calls torch's private _get_managed_modu
                              "which only recognise torch's own fully_shard state on submodules")
 _INT_RESHARD = Exclusion("by-design", "loops over reshard_after_forward=2: an int raises "
                          "NotImplementedError (no resharding to a smaller world after forward)")
-_DTYPES = Exclusion("by-design", "DBuffer holds float32/bfloat16/float16 only; other parameter dtypes "
-                    "raise TypeError on every rank at fully_shard or .to()")
 _NO_HOOK = Exclusion("by-design", "set_all_reduce_hook raises NotImplementedError: the HSDP "
                      "all-reduce is part of DBuffer's reduction")
 
@@ -96,8 +94,6 @@ EXCLUSIONS: dict[str, Exclusion] = {
     _INIT + "TestFullyShardLazyInit.test_fully_shard_module_and_param_fqns": _PRIVATE_STATE,
     _INIT + "TestFullyShardLazyInit.test_fully_shard_double_lazy_init": _PRIVATE_STATE,
     _INIT + "TestFullyShardLazyInit.test_fully_shard_multi_module_root": _PRIVATE_STATE,
-    _INIT + "TestFullyShardOldImport.test_old_import_training": Exclusion(
-        "private", "isinstance against torch's private _fully_shard._fully_shard.FSDPModule class"),
     _INIT + "TestFullyShardShardPlacementFn.test_init_1d_transformer_shard_largest_dim": _NO_SHARD_DIM,
     _INIT + "TestFullyShardShardPlacementFn.test_init_1d_transformer_shard_dim_neg1": _NO_SHARD_DIM,
     _INIT + "TestFullyShardShardPlacementFn.test_init_2d_transformer_shard_diff_dim": _NO_SHARD_DIM,
@@ -107,7 +103,6 @@ EXCLUSIONS: dict[str, Exclusion] = {
         _NO_SHARD_DIM,
     _INIT + "TestHSDPWithCustomHook.test_custom_hook_custom_stream": _NO_HOOK,
     _INIT + "TestHSDPWithCustomHook.test_custom_hsdp_all_reduce_hook": _NO_HOOK,
-    _INIT + "TestFullyShardMixedDtypeParam.test_mixed_dtypes_no_grad_param": _DTYPES,
     _INIT + "TestFullyShardShardedParameterDTensor.test_shard_dtensor_parameters": Exclusion(
         "by-design", "tensor-parallel DTensor parameters raise NotImplementedError naming the "
         "parameter (fsdp does not compose with TP); the test also asserts FSDP2's placements"),
@@ -118,7 +113,6 @@ EXCLUSIONS: dict[str, Exclusion] = {
     _TRAINING + "TestFullyShardRegisteredParams.test_param_registration_after_backward": _INT_RESHARD,
     _TRAINING + "TestFullyShardRegisteredParams.test_modules_to_run_forward_empty_for_single_module":
         Exclusion("private", "reads FSDPState._modules_to_run_forward"),
-    _TRAINING + "TestFullyShardCastAfterInit.test_to_float64_after_init": _DTYPES,
 }
 
 
