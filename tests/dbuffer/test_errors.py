@@ -30,7 +30,7 @@ def _error_cases(plans: dict[str, object]) -> bool:
     # one small all-reduce (error flag and fingerprint), a failure adds one gather of messages.
     with record_collectives() as failing, \
             pytest.raises(TypeError, match="rank 1: TypeError: compute_dtype"):
-        DBuffer(good, compute_dtype=torch.float64 if rank == 1 else None)
+        DBuffer(good, compute_dtype=torch.int32 if rank == 1 else None)
     with record_collectives() as happy:
         DBuffer(good)
     with record_collectives() as filled:

@@ -42,7 +42,7 @@ from dbuffer.collectives import (
     all_reduce_sum,
     reduce_scatter_into,
 )
-from dbuffer.errors import FreedBufferError, check_consistent, check_dtype
+from dbuffer.errors import FreedBufferError, check_consistent, check_dtype, check_gradient_dtype
 from dbuffer.flat import FlatBuffer
 from dbuffer.topology import Topology
 
@@ -78,8 +78,11 @@ class DBuffer:
         plan: the layout; its ``world_size`` must equal the size of the shard group.
         group: ``None`` (default group), a process group, a 1-D device mesh, or a 2-D
             ``(replicate, shard)`` device mesh for HSDP.
-        device: where the buffers live.
-        dtype: the sharded master copy's dtype (also the sharded gradients').
+        device: where the buffers live; ``"meta"`` holds no memory (a model built on the
+            meta device before ``to_empty``): its collectives raise.
+        dtype: the sharded master copy's dtype (also the sharded gradients'), one of
+            :data:`dbuffer.SUPPORTED_DTYPES`; float8 dtypes are moved as bytes and only for
+            frozen tensors (``requires_grad=()``).
         compute_dtype: the unsharded parameters' and gradients' dtype (default ``dtype``).
         reduce_dtype: the dtype gradients are reduced in (default ``compute_dtype``).
         requires_grad: names of the trainable tensors (default: all). Frozen tensors get no
@@ -89,8 +92,12 @@ class DBuffer:
             ranges: the buffer warns with the bytes reserved (:attr:`frozen_grad_bytes`);
             a DBuffer of its own for the frozen tensors reserves none.
 
+    On a group of one rank (a world of one, or a mesh dimension of size one) no collective
+    runs: the all-gather and the reduce-scatter are local copies (none where the cast already
+    wrote the unsharded buffer), the HSDP all-reduce a no-op, as in FSDP2.
+
     Raises:
-        TypeError: for an unsupported dtype.
+        TypeError: for an unsupported dtype, or float8 with trainable tensors.
         ValueError: for a plan that does not match the group, unknown ``requires_grad`` names,
             or a plan/dtype fingerprint that differs across ranks (on every rank).
     """
@@ -226,6 +233,10 @@ class DBuffer:
             check_dtype(self.dtype, "dtype")
             check_dtype(self.compute_dtype, "compute_dtype")
             check_dtype(self.reduce_dtype, "reduce_dtype")
+            if self.trainable:
+                check_gradient_dtype(self.dtype, "dtype")
+                check_gradient_dtype(self.compute_dtype, "compute_dtype")
+                check_gradient_dtype(self.reduce_dtype, "reduce_dtype")
         except TypeError as error:
             return error
         if self.plan.world_size != self.topology.shard_size:
@@ -365,6 +376,7 @@ class DBuffer:
         Returns:
             With ``async_op``, a handle whose ``wait()`` completes the gather; else ``None``.
         """
+        self._check_on_device("all_gather")
         S = self.shard_size
         self._unsharded.allocate()
         keep_version = torch.autograd._unsafe_preserve_version_counter(self._unsharded.tensor)
@@ -379,6 +391,14 @@ class DBuffer:
             return None
         guard = collective_guard("all_gather", self.topology.shard_group)
         return CollectiveHandle(work, guard, keep_version=keep_version)
+
+    def _check_on_device(self, op: str) -> None:
+        """Raise before a collective on a meta-device buffer (every rank built its buffer on
+        the same device, so every rank raises here)."""
+        if self.device.type == "meta":
+            raise RuntimeError(f"DBuffer.{op}(): the buffer is on the meta device (it holds no "
+                               "values); build it on a real device or move the model there "
+                               "first (e.g. model.to_empty(device=...) and initialise it)")
 
     def unsharded_view(self, name: str) -> torch.Tensor:
         """Tensor ``name`` in full, shaped like it: a view of the unsharded buffer.
@@ -601,6 +621,7 @@ class DBuffer:
         """
         if op not in ("avg", "sum"):
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+        self._check_on_device("reduce_scatter")
         with record_function("dbuffer::reduce_scatter"):
             return self._reduce_scatter(op, async_op, predivide)
 

@@ -15,7 +15,14 @@ import torch
 import torch.distributed as dist
 from ragged_dtensor import raise_on_any_rank
 
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16,
+                                              torch.float64, torch.float8_e4m3fn,
+                                              torch.float8_e5m2)
+"""Every dtype a DBuffer holds: the floating-point dtypes FSDP2 accepts for parameters."""
+
+BYTE_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""Dtypes moved as raw bytes (gloo has no float8 type) and held without arithmetic: a DBuffer
+holding them has no gradients (frozen tensors, as FSDP2 takes float8 weights)."""
 
 
 class FreedBufferError(RuntimeError):
@@ -35,6 +42,21 @@ def check_dtype(dtype: torch.dtype, arg: str) -> None:
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise TypeError(f"{arg}: dtype {dtype} is not supported (supported: {names})")
+
+
+def check_gradient_dtype(dtype: torch.dtype, arg: str) -> None:
+    """Raise ``TypeError`` when gradients would be computed or reduced in ``dtype``.
+
+    Args:
+        dtype: a dtype of a buffer with trainable tensors.
+        arg: the name of the argument, for the message.
+
+    Raises:
+        TypeError: for a dtype of :data:`BYTE_DTYPES` (no gradient arithmetic in float8).
+    """
+    if dtype in BYTE_DTYPES:
+        raise TypeError(f"{arg}: dtype {dtype} holds no gradients (float8 tensors are held as "
+                        "bytes): make them frozen (requires_grad=False / requires_grad=())")
 
 
 def check_consistent(error: BaseException | None, fingerprint: str,

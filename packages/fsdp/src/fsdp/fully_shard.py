@@ -17,6 +17,7 @@ import torch.nn as nn
 from ragged_dtensor import raise_on_any_rank
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from fsdp.policies import UnitPolicy
 from fsdp.sharding import build_group, collect_params, managed_modules, resolve_units, signature
@@ -153,7 +154,10 @@ def fully_shard(
     for m in modules:
         cls = type(m)
         if cls not in _FSDP_CLASSES:
-            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
+            # torch's FSDPModule last: ``isinstance(m, torch.distributed.fsdp.FSDPModule)``
+            # holds, as libraries test, while fsdp's methods come first and the original
+            # class stays at MRO index 2 (FSDP2's layout, which torch's tools rely on).
+            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls, TorchFSDPModule),
                                       {"__deepcopy__": _no_deepcopy})
         m.__class__ = _FSDP_CLASSES[cls]
     return list(modules) if isinstance(module, list) else module  # type: ignore[return-value]
@@ -203,11 +207,21 @@ class UnshardHandle:
 
 
 class FSDPModule:
-    """Mixed into every module ``fully_shard`` was applied to (``FSDP<Cls>``)."""
+    """Mixed into every module ``fully_shard`` was applied to (``FSDP<Cls>``).
+
+    The sharded module's class is ``FSDP<Cls>(fsdp.FSDPModule, Cls,
+    torch.distributed.fsdp.FSDPModule)``: code written for FSDP2 that tests
+    ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` (Hugging Face Trainer and
+    accelerate, torch's pipelining) recognises it, and every method torch's class defines is
+    overridden here, so no call reaches FSDP2's private state.
+    """
+
+    # Where the original class sits in the MRO: [FSDP<Cls>, FSDPModule, Cls, ...], as in FSDP2.
+    _orig_cls_mro_index: int = 2
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Indexing into a sharded container builds the original class, as in FSDP2.
-        orig_cls = cls.__mro__[2]
+        orig_cls = cls.__mro__[cls._orig_cls_mro_index]
         self = orig_cls.__new__(orig_cls, *args, **kwargs)
         self.__init__(*args, **kwargs)
         return self
@@ -267,6 +281,16 @@ class FSDPModule:
             is_last_backward: whether it is the last.
         """
         self._get_fsdp_state().ctx.is_last_backward = is_last_backward
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Accepted for FSDP2 compatibility: fsdp always issues its pre-forward and
+        pre-backward all-gathers asynchronously and waits before the parameters are used, so
+        either value gives the same results (there are no separate streams to choose from).
+
+        Args:
+            async_op: ignored by design.
+        """
+        del async_op
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
                                    recurse: bool = True) -> None:

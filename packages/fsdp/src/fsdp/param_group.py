@@ -369,6 +369,7 @@ class FSDPParamGroup:
                                          dtype=local.dtype, mp_policy=self.mp_policy,
                                          trainable=bool(buffer.trainable))
                     self.buffers[index] = target
+                    self._uninitialised.pop(id(buffer), None)  # to_empty from meta: written
                 for p in params:
                     new_local = p.sharded._local_tensor
                     view = target.local_view(p.name)

@@ -5,7 +5,9 @@ sharded, nor ``ignored_params``), in registration order, with every ``(module, a
 slot that registers each (tied weights), plans them with ``layout_planner.plan_buckets`` per
 kind (trainable parameters of one dtype; frozen parameters of one dtype, which get a DBuffer
 without gradient memory), allocates one DBuffer per bucket, copies each rank's run in once,
-and registers a RaggedShard DTensor parameter over each run in place of the original.
+and registers a RaggedShard DTensor parameter over each run in place of the original. A group
+of meta-device parameters gets meta-device DBuffers (no memory), so its sharded parameters
+stay on the meta device until ``to_empty``.
 """
 
 from __future__ import annotations
@@ -169,9 +171,13 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
                     f"fully_shard: parameter {meta[0]!r} is on the meta device but {real!r} "
                     f"is on {by_name[real].param.device}; a group is initialised either from "
                     "real tensors or on the meta device (then to_empty() and init), not both")
+            # Meta parameters stay on the meta device, as in FSDP2 (code that tests
+            # ``p.is_meta`` to decide what to initialise must see them there): the buffer
+            # holds no memory until ``to_empty`` rebuilds it on the real device.
             full = None if meta else {n: by_name[n].param for n in names}
-            buffer = make_buffer(plan, mesh, device=device, dtype=dtype, mp_policy=mp_policy,
-                                 trainable=requires_grad, full_tensors=full)
+            buffer = make_buffer(plan, mesh, device=torch.device("meta") if meta else device,
+                                 dtype=dtype, mp_policy=mp_policy, trainable=requires_grad,
+                                 full_tensors=full)
             buffers.append(buffer)
             if meta:
                 uninitialised.append(buffer)

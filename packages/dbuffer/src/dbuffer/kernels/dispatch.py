@@ -9,6 +9,10 @@ loop over parameters would. Each call is wrapped in a profiler scope named
 works only under ``TRITON_INTERPRET=1`` (how the tests compare the two paths). The
 environment variable ``DBUFFER_KERNELS=torch|triton`` forces the path of every ``"auto"``
 call, e.g. to run DBuffer itself on the Triton kernels under the interpreter.
+
+The Triton kernels compute in fp32, so they serve fp32, bf16 and fp16 buffers only
+(:data:`TRITON_DTYPES`); float64 (whose math must stay in float64) and float8 buffers take
+the torch path, also on CUDA and under ``DBUFFER_KERNELS=triton``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from dbuffer.errors import check_dtype
 from dbuffer.kernels import torch_ops
 
 Backend = Literal["auto", "torch", "triton"]
+
+TRITON_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
 _GPU_BLOCK = 4096
 # The interpreter's cost is per program: large blocks keep CPU tests fast.
@@ -54,19 +60,25 @@ def _block() -> int:
     return _INTERPRETER_BLOCK if os.environ.get("TRITON_INTERPRET") == "1" else _GPU_BLOCK
 
 
-def _use_triton(tensor: torch.Tensor, backend: Backend) -> bool:
-    if backend == "torch":
-        return False
+def _use_triton(backend: Backend, *tensors: torch.Tensor) -> bool:
+    """Whether to launch the Triton kernel on ``tensors`` (destination first)."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    fits = all(t.dtype in TRITON_DTYPES for t in tensors)
     if backend == "triton":
         if not triton_available():
             raise RuntimeError("backend='triton' requested but triton is not installed")
+        if not fits:
+            raise TypeError(f"backend='triton' computes in fp32 and takes only "
+                            f"{', '.join(map(str, TRITON_DTYPES))}; got "
+                            f"{', '.join(str(t.dtype) for t in tensors)} (use 'auto' or 'torch')")
         return True
-    if backend != "auto":
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "torch" or not fits:
+        return False
     forced = os.environ.get("DBUFFER_KERNELS")
     if forced in ("torch", "triton"):
-        return _use_triton(tensor, forced)
-    return tensor.is_cuda and triton_available()
+        return _use_triton(forced, *tensors)
+    return tensors[0].is_cuda and triton_available()
 
 
 def _flat(tensor: torch.Tensor, arg: str) -> torch.Tensor:
@@ -101,7 +113,7 @@ def zero_(dst: torch.Tensor, *, backend: Backend = "auto") -> None:
     """
     flat = _flat(dst, "dst")
     with record_function("dbuffer::zero_"):
-        if _use_triton(flat, backend):
+        if _use_triton(backend, flat):
             _launch(_triton().zero_kernel, flat.numel(), flat)
         else:
             torch_ops.zero_(flat)
@@ -117,7 +129,7 @@ def scale_(dst: torch.Tensor, alpha: float, *, backend: Backend = "auto") -> Non
     """
     flat = _flat(dst, "dst")
     with record_function("dbuffer::scale_"):
-        if _use_triton(flat, backend):
+        if _use_triton(backend, flat):
             _launch(_triton().scale_kernel, flat.numel(), flat, float(alpha))
         else:
             torch_ops.scale_(flat, float(alpha))
@@ -139,7 +151,7 @@ def copy_cast_(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0, *,
     """
     dst, src = _pair(dst, src)
     with record_function("dbuffer::copy_cast_"):
-        if _use_triton(dst, backend):
+        if _use_triton(backend, dst, src):
             _launch(_triton().copy_cast_kernel, dst.numel(), dst, src, float(alpha))
         else:
             torch_ops.copy_cast_(dst, src, float(alpha))
@@ -157,25 +169,26 @@ def add_(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0, *,
     """
     dst, src = _pair(dst, src)
     with record_function("dbuffer::add_"):
-        if _use_triton(dst, backend):
+        if _use_triton(backend, dst, src):
             _launch(_triton().add_kernel, dst.numel(), dst, src, float(alpha))
         else:
             torch_ops.add_(dst, src, float(alpha))
 
 
 def squared_norm(src: torch.Tensor, *, backend: Backend = "auto") -> torch.Tensor:
-    """The sum of squares of a whole flat buffer, accumulated in fp32 (for grad clipping).
+    """The sum of squares of a whole flat buffer, accumulated in fp32 (float64 for a float64
+    buffer), for grad clipping.
 
     Args:
         src: contiguous buffer.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
 
     Returns:
-        A 0-d fp32 tensor on ``src``'s device.
+        A 0-d fp32 tensor (float64 for a float64 ``src``) on ``src``'s device.
     """
     flat = _flat(src, "src")
     with record_function("dbuffer::squared_norm"):
-        if not _use_triton(flat, backend):
+        if not _use_triton(backend, flat):
             return torch_ops.squared_norm(flat)
         block = _block()
         programs = _triton().grid(flat.numel(), block)

@@ -1,7 +1,7 @@
 """Plain-torch implementations of the fused whole-buffer operations (the CPU path).
 
 Each is one torch op over the whole flat buffer (two for an upcasting scaled copy), computing
-in fp32 or wider with one rounding into the destination dtype, so they match the Triton
+in fp32 or wider (float64 for float64 buffers) with one rounding into the destination dtype, so they match the Triton
 kernels bit for bit on fp32 and to the last bit's rounding mode on bf16/fp16.
 """
 
@@ -38,17 +38,19 @@ def copy_cast_(dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
 
 
 def add_(dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
-    """``dst[:] += alpha * src`` in fp32, rounded once into ``dst``.
+    """``dst[:] += alpha * src`` in fp32 (float64 for a float64 ``dst``), rounded once into
+    ``dst``.
 
     torch's ``add_(alpha=)`` rounds ``alpha`` to a 16-bit ``dst``'s dtype, so a 16-bit
     destination with ``alpha != 1`` takes an fp32 temporary for the scaled source instead.
     """
-    if alpha == 1.0 or dst.dtype == torch.float32:
+    if alpha == 1.0 or dst.dtype in (torch.float32, torch.float64):
         dst.add_(src, alpha=alpha)
     else:
         dst.add_(src.to(torch.float32, copy=True).mul_(alpha))
 
 
 def squared_norm(src: torch.Tensor) -> torch.Tensor:
-    """``sum(src ** 2)`` accumulated in fp32, as a 0-d fp32 tensor."""
-    return torch.linalg.vector_norm(src, 2, dtype=torch.float32).square()
+    """``sum(src ** 2)`` accumulated in fp32 (float64 for float64), as a 0-d tensor."""
+    dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(src, 2, dtype=dtype).square()
