@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run accelerator-gated tests on CPU, the CPU device module "
                              "reporting --cpu-devices devices (every mode alike)")
     parser.add_argument("--cpu-devices", type=int, default=4)
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="(file, mode) runs at a time (each is its own pytest process)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
     args = parser.parse_args(argv)
     os.environ["DTENSOR_SUITE_CPU_DEVICES"] = str(args.cpu_devices)
@@ -152,18 +155,29 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, dict[str, object]] = {}
     all_regressions: list[dict[str, str]] = []
     with tempfile.TemporaryDirectory() as tmp:
+        prepared = {}
         for relative in chosen:
             source = args.test_root / relative
-            name = source.name
             if not source.exists():
-                print(f"== {name}: not found under {args.test_root}", flush=True)
+                print(f"== {source.name}: not found under {args.test_root}", flush=True)
                 continue
-            path, rewrites = cpu_copy(source, Path(tmp))
-            results, notes = {}, {}
-            for mode in args.modes:
-                start = time.perf_counter()
-                results[mode], note = run_file(path, mode, args.deps, args.timeout, args.ungate)
-                notes[mode] = f"{note} ({time.perf_counter() - start:.0f} s)"
+            prepared[source.name] = cpu_copy(source, Path(tmp))
+
+        def run(job: tuple[str, str]) -> tuple[list[TestResult], str]:
+            name, mode = job
+            start = time.perf_counter()
+            results, note = run_file(prepared[name][0], mode, args.deps, args.timeout,
+                                     args.ungate)
+            return results, f"{note} ({time.perf_counter() - start:.0f} s)"
+
+        # (file, mode) runs are independent processes: --jobs of them at a time, the most
+        # important files first
+        jobs = [(name, mode) for name in prepared for mode in args.modes]
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            done = dict(zip(jobs, pool.map(run, jobs)))
+        for name, (_, rewrites) in prepared.items():
+            results = {mode: done[(name, mode)][0] for mode in args.modes}
+            notes = {mode: done[(name, mode)][1] for mode in args.modes}
             counts, regressions = compare(results)
             all_regressions += regressions
             summary[name] = {"rewrites": rewrites, "notes": notes, "passed": counts,

@@ -17,6 +17,11 @@ torch version and the symbol, and nothing is replaced.
 Every replacement hands calls without a RaggedShard to torch's original, unchanged (same
 arguments, same results, same errors). The state-dict loaders act only for models that hold
 a RaggedShard DTensor, so a plain model's full-state-dict load is torch's code path.
+
+The ``retire`` column names what would make a row unnecessary. FSDP2's newer public hooks
+(``dp_mesh_dims``, the custom all-gather / reduce-scatter hooks, param-contiguous outputs)
+concern how fsdp shards and communicates, not a torch symbol replaced here: none of them lets
+a new placement take part in DTensor's redistribution, propagation or DCP.
 """
 
 from __future__ import annotations
