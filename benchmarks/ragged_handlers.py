@@ -3,7 +3,7 @@
 ragged_dtensor answers some ops on RaggedShard inputs itself (reductions, reshapes, random
 fills, fused optimizer steps, the ops torch's own custom handlers take). This benchmark times
 those ops, plus ``add`` as a control, on plain DTensors in two single-rank gloo processes
-started side by side: one imported ragged_dtensor, the other did not. The parent alternates
+started side by side: one installed ragged_dtensor's torch patches, the other did not. The parent alternates
 between them, op by op, so load noise hits both alike, and reports medians of per-call times
 and the ratio with / without (1.00 = no overhead), and the ratio of the fastest rounds (the
 least disturbed by other load). Small tensors, so the dispatch overhead dominates. Timings on
@@ -67,7 +67,9 @@ def _worker(with_ragged: bool, port: int, conn: Connection) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     if with_ragged:
-        import ragged_dtensor  # noqa: F401 - installs the hooks under test
+        import ragged_dtensor
+
+        ragged_dtensor.install()  # the hooks under test (importing alone installs nothing)
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

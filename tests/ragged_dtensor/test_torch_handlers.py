@@ -157,7 +157,7 @@ def test_grad_scaler_skips_on_every_rank(ranks, world: int, fused: bool) -> None
 def test_every_torch_handler_is_reviewed() -> None:
     """Each handler in torch's custom-op table either has a RaggedShard route in front of it
     or is right for RaggedShard as it is; a newer torch adding one fails here."""
-    ragged_dtensor.propagation.install()
+    ragged_dtensor.install()
     table = DTensor._op_dispatcher._custom_op_handlers
     for op, handler in table.items():
         if op in CORRECT_AS_IS:

@@ -1,19 +1,13 @@
 """RaggedShard: a DTensor placement of whole, unevenly distributed units.
 
-Importing this package installs the DTensor extension points that make the placement
-first-class (redistribution, sharding propagation, checkpoint hooks) and chains a
-``sys.excepthook`` that logs an uncaught error for the peers' failure diagnosis
-(:mod:`ragged_dtensor.peer_failure`); installing is idempotent.
+Importing this package changes nothing in torch. The DTensor extension points that make the
+placement first-class (redistribution, sharding propagation, checkpoint hooks, torch's own
+``distribute_tensor``) and a ``sys.excepthook`` that logs an uncaught error for the peers'
+failure diagnosis (:mod:`ragged_dtensor.peer_failure`) are the rows of
+:data:`ragged_dtensor.torch_patches.PATCHES`, installed once per process by the first
+``RaggedShard(...)`` or by :func:`install`.
 """
 
-from ragged_dtensor import (
-    autograd_hooks,
-    checkpoint,
-    full_state_dict,
-    peer_failure,
-    propagation,
-    redistribute,
-)
 from ragged_dtensor.api import distribute_tensor, from_local_run, local_shaped
 from ragged_dtensor.consensus import raise_on_any_rank
 from ragged_dtensor.peer_failure import (
@@ -24,20 +18,16 @@ from ragged_dtensor.peer_failure import (
 )
 from ragged_dtensor.placement import RaggedShard, is_ragged
 from ragged_dtensor.redistribute import redistribute_many
-
-redistribute.install()
-autograd_hooks.install()
-propagation.install()
-checkpoint.install()
-full_state_dict.install()
-peer_failure.install()
+from ragged_dtensor.torch_patches import TorchPatchError, install
 
 __all__ = [
     "PeerFailureError",
     "RaggedShard",
+    "TorchPatchError",
     "collective_guard",
     "distribute_tensor",
     "from_local_run",
+    "install",
     "is_ragged",
     "local_shaped",
     "raise_on_any_rank",

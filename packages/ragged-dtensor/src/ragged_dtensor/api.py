@@ -2,7 +2,8 @@
 
 torch's ``distribute_tensor`` rejects placements it does not know, so
 :func:`distribute_tensor` distributes with ``Replicate`` in place of each ``RaggedShard`` and
-then cuts the ragged run locally (no extra communication).
+then cuts the ragged run locally (no extra communication). :mod:`ragged_dtensor.torch_patches`
+routes torch's own ``torch.distributed.tensor.distribute_tensor`` here too.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
@@ -21,6 +21,9 @@ from ragged_dtensor import ragged_math
 from ragged_dtensor.autograd_hooks import local_run_error
 from ragged_dtensor.placement import RaggedShard, find_ragged, is_ragged
 from ragged_dtensor.redistribute import redistribute_ragged_local_tensor
+from ragged_dtensor.torch_patches import torch_original
+
+_TORCH_DISTRIBUTE_TENSOR = "torch.distributed.tensor._api.distribute_tensor.__code__"
 
 
 def distribute_tensor(
@@ -32,10 +35,12 @@ def distribute_tensor(
 ) -> DTensor:
     """``torch.distributed.tensor.distribute_tensor`` that also accepts ``RaggedShard``.
 
-    Without a ``RaggedShard`` this is torch's function. With one, torch distributes the tensor
-    with ``Replicate`` in its place (broadcasting from ``src_data_rank`` as torch does) and each
-    rank keeps its ragged run, a contiguous copy. The result is a leaf whose ``requires_grad``
-    follows ``tensor``.
+    Without a ``RaggedShard`` (or for a DTensor ``tensor``, which torch checks and returns)
+    this is torch's function. With one, torch distributes the tensor with ``Replicate`` in its
+    place (its checks, device move and broadcast from ``src_data_rank``) and each rank keeps
+    its ragged run, a contiguous copy. The result is a leaf whose ``requires_grad`` follows
+    ``tensor``. After :func:`ragged_dtensor.install`, torch's own ``distribute_tensor`` does
+    the same.
 
     Args:
         tensor: the full tensor (the same on every rank unless ``src_data_rank`` broadcasts).
@@ -50,7 +55,8 @@ def distribute_tensor(
         ValueError: if a RaggedShard does not fit the shape or its mesh dimension (raised on
             every rank alike, since every rank checks the same global facts).
     """
-    if placements is None or find_ragged(placements) is None:
+    torch_distribute_tensor = torch_original(_TORCH_DISTRIBUTE_TENSOR)
+    if placements is None or find_ragged(placements) is None or isinstance(tensor, DTensor):
         return torch_distribute_tensor(
             tensor, device_mesh, placements, src_data_rank=src_data_rank
         )
@@ -67,16 +73,39 @@ def distribute_tensor(
         if isinstance(placement, RaggedShard):
             placement.check(tuple(tensor.shape), device_mesh.size(dim))
     stand_in = [Replicate() if isinstance(p, RaggedShard) else p for p in placements]
-    replicated = torch_distribute_tensor(
-        tensor.detach(), device_mesh, stand_in, src_data_rank=src_data_rank
-    )
+    replicated = torch_distribute_tensor(tensor, device_mesh, stand_in, src_data_rank=src_data_rank)
     target = DTensorSpec(
         device_mesh,
         placements,
         tensor_meta=TensorMeta(tensor.shape, tensor.stride(), tensor.dtype),
     )
-    local = redistribute_ragged_local_tensor(replicated._local_tensor, replicated._spec, target)
-    return DTensor(local, target, requires_grad=tensor.requires_grad)
+    local = redistribute_ragged_local_tensor(
+        replicated._local_tensor.detach(), replicated._spec, target
+    )
+    return DTensor(local.requires_grad_(tensor.requires_grad), target,
+                   requires_grad=tensor.requires_grad)
+
+
+def _distribute_tensor_trampoline(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    # runs as torch's distribute_tensor (its globals, defaults and name): no free variables,
+    # the import finds this module in sys.modules
+    from ragged_dtensor.api import distribute_tensor
+
+    return distribute_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+
+
+def patched_distribute_tensor_code(original: object) -> object:
+    """The :mod:`ragged_dtensor.torch_patches` factory of ``distribute_tensor.__code__``: torch's
+    function object gets code that calls :func:`distribute_tensor`, so every name bound to it
+    (``from torch.distributed.tensor import distribute_tensor`` runs before any RaggedShard
+    exists) accepts RaggedShard placements."""
+    return _distribute_tensor_trampoline.__code__
 
 
 def from_local_run(

@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor._api import _FromTorchTensor, _ToTorchTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from ragged_dtensor.consensus import raise_on_any_rank
 from ragged_dtensor.placement import find_ragged
+from ragged_dtensor.torch_patches import torch_original
 
-_ORIGINAL_BACKWARD = getattr(_ToTorchTensor.backward, "torch_original", _ToTorchTensor.backward)
-_ORIGINAL_FORWARD = getattr(_FromTorchTensor.forward, "torch_original", _FromTorchTensor.forward)
+_ORIGINAL_BACKWARD = torch_original("torch.distributed.tensor._api._ToTorchTensor.backward")
+_ORIGINAL_FORWARD = torch_original("torch.distributed.tensor._api._FromTorchTensor.forward")
 
 
 def local_run_error(
@@ -99,7 +99,9 @@ def _from_local_forward(
     )
 
 
-_from_local_forward.torch_original = _ORIGINAL_FORWARD
+def patched_from_local_forward(original: object) -> staticmethod:
+    """The :mod:`ragged_dtensor.torch_patches` factory of ``_FromTorchTensor.forward``."""
+    return staticmethod(_from_local_forward)
 
 
 def _to_local_backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[DTensor | None, None]:
@@ -116,11 +118,6 @@ def _to_local_backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[DTen
     return grad, None
 
 
-_to_local_backward.torch_original = _ORIGINAL_BACKWARD
-
-
-def install() -> None:
-    """Check ``from_local``'s RaggedShard runs and route ``to_local``'s backward for RaggedShard
-    DTensors through :func:`_to_local_backward` (idempotent)."""
-    _FromTorchTensor.forward = staticmethod(_from_local_forward)
-    _ToTorchTensor.backward = staticmethod(_to_local_backward)
+def patched_to_local_backward(original: object) -> staticmethod:
+    """The :mod:`ragged_dtensor.torch_patches` factory of ``_ToTorchTensor.backward``."""
+    return staticmethod(_to_local_backward)

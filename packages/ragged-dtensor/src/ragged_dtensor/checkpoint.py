@@ -33,9 +33,6 @@ from torch.distributed.tensor.placement_types import Replicate
 from ragged_dtensor.flat_boxes import Box, box_first_index, box_strides, flat_range_boxes
 from ragged_dtensor.placement import RaggedShard, find_ragged
 
-_HOOKS = ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__")
-
-
 def _ragged_placement(dtensor: DTensor) -> tuple[int, RaggedShard] | None:
     """The mesh dim and RaggedShard of ``dtensor``, or ``None`` if it has none.
 
@@ -136,24 +133,24 @@ def _get_tensor_shard(self: DTensor, index: MetadataIndex) -> torch.Tensor:
     )
 
 
-def _dispatching(name: str, ragged_hook: Any, original: Any) -> Any:
+_RAGGED_HOOKS = {
+    "__create_write_items__": _create_write_items,
+    "__create_chunk_list__": _create_chunk_list,
+    "__get_tensor_shard__": _get_tensor_shard,
+}
+
+
+def patched_hook(original: Any) -> Any:
+    """The :mod:`ragged_dtensor.torch_patches` factory of DTensor's three DCP hooks: the
+    ragged hook for a RaggedShard DTensor, torch's for every other."""
+    ragged_hook = _RAGGED_HOOKS[original.__name__]
+
     def hook(self: DTensor, *args: Any) -> Any:
         if _ragged_placement(self) is not None:
             return ragged_hook(self, *args)
         return original(self, *args)
 
-    hook.__name__ = name
+    hook.__name__ = original.__name__
+    hook.__qualname__ = original.__qualname__
     hook.__doc__ = original.__doc__
-    hook._ragged_original = original  # type: ignore[attr-defined]
     return hook
-
-
-def install() -> None:
-    """Route DTensor's three DCP hooks to the ragged versions for RaggedShard DTensors
-    (idempotent; every other DTensor keeps torch's behaviour)."""
-    hooks = dict(zip(_HOOKS, (_create_write_items, _create_chunk_list, _get_tensor_shard)))
-    for name, ragged_hook in hooks.items():
-        current = getattr(DTensor, name)
-        if hasattr(current, "_ragged_original"):
-            continue
-        setattr(DTensor, name, _dispatching(name, ragged_hook, current))

@@ -10,8 +10,8 @@ which knows only torch's placements:
   broadcasts the FULL tensor to every rank and slices it with
   ``compute_local_shape_and_global_offset`` (blind to ``RaggedShard``: wrong shapes).
 
-:func:`install` replaces those two names in that module with dispatchers that keep torch's
-code for every other tensor. For a RaggedShard DTensor, without broadcast every rank cuts its
+:mod:`ragged_dtensor.torch_patches` replaces those two names in that module with dispatchers
+that keep torch's code for every other tensor. For a RaggedShard DTensor, without broadcast every rank cuts its
 run from its own full tensor (no communication: every rank holds the full state dict); with
 broadcast rank 0 sends each rank only its run in one ``all_to_all_single`` per tensor,
 received straight into the DTensor's local tensor, so no other rank ever holds the full tensor
@@ -23,8 +23,10 @@ redistributes each DTensor to ``Replicate``, which :mod:`ragged_dtensor.redistri
 
 Two of torch's own decisions in loading a full state dict are made from each rank's own
 arguments, although under ``broadcast_from_rank0`` only rank 0 holds the state dicts;
-:func:`install` also wraps ``torch.distributed.checkpoint.state_dict``'s ``_verify_options``
-and loaders so that every rank decides alike (every placement benefits, torch's included):
+:mod:`ragged_dtensor.torch_patches` also wraps ``torch.distributed.checkpoint.state_dict``'s
+``_verify_options`` and loaders so that every rank decides alike. They act only for a model
+that holds a RaggedShard DTensor (a parameter or buffer); any other model's load is torch's
+own, errors included:
 
 * ``set_state_dict`` loads the model only where ``model_state_dict`` is not empty, so ranks
   other than 0 (which pass ``{}``) skipped the model's broadcasts and rank 0 hung in them;
@@ -48,7 +50,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import _state_dict_utils
 from torch.distributed.checkpoint import state_dict as _dsd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -59,6 +60,7 @@ from ragged_dtensor.api import from_local_run
 from ragged_dtensor.consensus import _flag_device, raise_on_any_rank
 from ragged_dtensor.peer_failure import collective_guard
 from ragged_dtensor.placement import RaggedShard, find_ragged, is_ragged
+from ragged_dtensor.torch_patches import torch_original
 
 _SOURCE_RANK = 0  # torch's broadcast_from_rank0 source: global rank 0
 
@@ -225,6 +227,13 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _holds_ragged(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has a RaggedShard DTensor parameter or buffer: the loads these wrappers
+    change (every rank holds the same model, so every rank decides alike)."""
+    return any(isinstance(t, DTensor) and is_ragged(t)
+               for t in (*model.parameters(), *model.buffers()))
+
+
 def _verify_options(
     model: torch.nn.Module,
     optims: tuple[torch.optim.Optimizer, ...],
@@ -240,7 +249,8 @@ def _verify_options(
     Without optimizers (``set_model_state_dict``) there is nothing to decide: no broadcast.
     """
     options = kwargs.get("options")
-    if optims and options is not None and options.broadcast_from_rank0 and _distributed():
+    if (optims and options is not None and options.broadcast_from_rank0 and _distributed()
+            and _holds_ragged(model)):
         flag = torch.tensor([int(bool(optim_only))], device=_flag_device(None))
         with collective_guard("broadcast (broadcast_from_rank0: what to load)", None):
             dist.broadcast(flag, src=_SOURCE_RANK)
@@ -318,7 +328,8 @@ def _load_model_state_dict(model: torch.nn.Module, state_dict: dict[str, Any], i
     """``state_dict._load_model_state_dict`` after the strict key check of a full state dict
     (see the module's docstring)."""
     checks = (info.handle_model and info.strict and info.full_state_dict
-              and not info.submodule_prefixes and (state_dict or info.broadcast_from_rank0))
+              and not info.submodule_prefixes and (state_dict or info.broadcast_from_rank0)
+              and _holds_ragged(model))
     if checks:
         error = _model_key_error(model, state_dict, info) if _deciding_rank(info) else None
         _raise_key_error(error, info)
@@ -329,7 +340,7 @@ def _load_optim_state_dict(model: torch.nn.Module, optimizers: tuple[torch.optim
                            state_dict: Any, info: Any) -> None:
     """``state_dict._load_optim_state_dict`` after the strict check of a full optimizer state
     dict, before anything is sent (see the module's docstring)."""
-    if info.handle_optim and info.strict and info.full_state_dict:
+    if info.handle_optim and info.strict and info.full_state_dict and _holds_ragged(model):
         error = None
         if _deciding_rank(info) and state_dict:
             error = _optim_key_error(model, optimizers, state_dict, info)
@@ -337,30 +348,35 @@ def _load_optim_state_dict(model: torch.nn.Module, optimizers: tuple[torch.optim
     return _TORCH_LOAD_OPTIM_STATE_DICT(model, optimizers, state_dict, info)
 
 
-def _torch_original(module: Any, name: str) -> Callable[..., Any]:
-    current = getattr(module, name)
-    return getattr(current, "_ragged_original", current)
+_TORCH_DISTRIBUTE_TENSOR = torch_original("torch.distributed._state_dict_utils.distribute_tensor")
+_TORCH_BROADCAST_TENSORS = torch_original("torch.distributed._state_dict_utils._broadcast_tensors")
+_TORCH_VERIFY_OPTIONS = torch_original("torch.distributed.checkpoint.state_dict._verify_options")
+_TORCH_LOAD_MODEL_STATE_DICT = torch_original(
+    "torch.distributed.checkpoint.state_dict._load_model_state_dict")
+_TORCH_LOAD_OPTIM_STATE_DICT = torch_original(
+    "torch.distributed.checkpoint.state_dict._load_optim_state_dict")
 
 
-_TORCH_DISTRIBUTE_TENSOR = _torch_original(_state_dict_utils, "distribute_tensor")
-_TORCH_BROADCAST_TENSORS = _torch_original(_state_dict_utils, "_broadcast_tensors")
-_TORCH_VERIFY_OPTIONS = _torch_original(_dsd, "_verify_options")
-_TORCH_LOAD_MODEL_STATE_DICT = _torch_original(_dsd, "_load_model_state_dict")
-_TORCH_LOAD_OPTIM_STATE_DICT = _torch_original(_dsd, "_load_optim_state_dict")
+def patched_distribute_tensor(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The :mod:`ragged_dtensor.torch_patches` factory of ``_state_dict_utils.distribute_tensor``."""
+    return _distribute_tensor
 
 
-def install() -> None:
-    """Route ``_state_dict_utils``' ``distribute_tensor`` and ``_broadcast_tensors`` through the
-    ragged versions for RaggedShard DTensors (other tensors keep torch's code), and wrap
-    ``torch.distributed.checkpoint.state_dict``'s ``_verify_options``,
-    ``_load_model_state_dict`` and ``_load_optim_state_dict`` so that ``broadcast_from_rank0``
-    follows rank 0 and a strict full load raises on every rank (idempotent)."""
-    for module, name, hook, original in (
-        (_state_dict_utils, "distribute_tensor", _distribute_tensor, _TORCH_DISTRIBUTE_TENSOR),
-        (_state_dict_utils, "_broadcast_tensors", _broadcast_tensors, _TORCH_BROADCAST_TENSORS),
-        (_dsd, "_verify_options", _verify_options, _TORCH_VERIFY_OPTIONS),
-        (_dsd, "_load_model_state_dict", _load_model_state_dict, _TORCH_LOAD_MODEL_STATE_DICT),
-        (_dsd, "_load_optim_state_dict", _load_optim_state_dict, _TORCH_LOAD_OPTIM_STATE_DICT),
-    ):
-        hook._ragged_original = original  # type: ignore[attr-defined]
-        setattr(module, name, hook)
+def patched_broadcast_tensors(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The :mod:`ragged_dtensor.torch_patches` factory of ``_state_dict_utils._broadcast_tensors``."""
+    return _broadcast_tensors
+
+
+def patched_verify_options(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The :mod:`ragged_dtensor.torch_patches` factory of ``state_dict._verify_options``."""
+    return _verify_options
+
+
+def patched_load_model_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The :mod:`ragged_dtensor.torch_patches` factory of ``state_dict._load_model_state_dict``."""
+    return _load_model_state_dict
+
+
+def patched_load_optim_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The :mod:`ragged_dtensor.torch_patches` factory of ``state_dict._load_optim_state_dict``."""
+    return _load_optim_state_dict

@@ -115,17 +115,12 @@ class RaggedFirst:
         return self.torch_handler(op_call, args, kwargs)
 
 
-def install() -> None:
-    """Wrap the dispatcher's slow path and torch's own custom handlers (idempotent).
+def ragged_slow_path(original: Callable[..., object]) -> RaggedSlowPath:
+    """The :mod:`ragged_dtensor.torch_patches` factory of the dispatcher's slow path."""
+    return RaggedSlowPath(original)
 
-    A torch custom handler is wrapped only for ops that have a route; call again after adding
-    routes.
-    """
-    dispatcher = DTensor._op_dispatcher
-    slow_path = dispatcher._propagate_op_sharding_dispatch_slow_path
-    if not isinstance(slow_path, RaggedSlowPath):
-        dispatcher._propagate_op_sharding_dispatch_slow_path = RaggedSlowPath(slow_path)
-    table = dispatcher._custom_op_handlers
-    for op, handler in list(table.items()):
-        if op in ROUTES and not isinstance(handler, RaggedFirst):
-            table[op] = RaggedFirst(handler)
+
+def ragged_first(torch_handler: Handler) -> RaggedFirst:
+    """The :mod:`ragged_dtensor.torch_patches` factory of a custom-op table entry of torch's
+    for an op that has a route."""
+    return RaggedFirst(torch_handler)

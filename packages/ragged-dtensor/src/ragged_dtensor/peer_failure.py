@@ -7,8 +7,8 @@ nowhere. The missing fact travels through the rendezvous store the ranks already
 an append-only log of one JSON line per event:
 
 * a rank that exits on an uncaught exception logs ``raised`` with its error before it exits
-  (a ``sys.excepthook`` chained in front of the existing one, installed when
-  ``ragged_dtensor`` is imported; :func:`record_failure` does the same for code that catches
+  (a ``sys.excepthook`` chained in front of the existing one, installed with the rest of
+  :mod:`ragged_dtensor.torch_patches` on the first use of RaggedShard; :func:`record_failure` does the same for code that catches
   the exception itself, such as a launcher's error recorder);
 * a rank whose collective fails with a transport error (peer closed or reset the
   connection, the process group's timeout expired) logs ``alive`` and then reads the log
@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import sys
 import threading
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -54,7 +53,6 @@ _TRANSPORT_MARKERS = ("/gloo/transport/", "Connection closed by peer",
                       "NCCL communicator was aborted")
 _MESSAGE_LIMIT = 2000
 _roll_call_s = 5.0
-_installed = False
 _store_lock = threading.Lock()
 
 
@@ -322,12 +320,9 @@ def _on_uncaught(error: BaseException) -> None:
     record_failure(error)
 
 
-def install() -> None:
-    """Chain the failure logger in front of ``sys.excepthook`` (once per process)."""
-    global _installed
-    if _installed:
-        return
-    previous = sys.excepthook
+def chained_excepthook(previous: Callable[..., object]) -> Callable[..., None]:
+    """The :mod:`ragged_dtensor.torch_patches` factory of ``sys.excepthook``: log an uncaught
+    exception for the peers' roll call, then run ``previous``."""
 
     def excepthook(exc_type: type[BaseException], error: BaseException,
                    tb: types.TracebackType | None) -> None:
@@ -337,5 +332,4 @@ def install() -> None:
             pass
         previous(exc_type, error, tb)
 
-    sys.excepthook = excepthook
-    _installed = True
+    return excepthook

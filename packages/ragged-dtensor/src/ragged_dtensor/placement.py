@@ -3,7 +3,8 @@
 It subclasses torch's pybind ``Placement`` rather than ``Shard``: torch's ``Shard`` code paths
 assume even ``torch.chunk`` splits and silently mis-handle ragged data, while an unknown
 ``Placement`` is ignored by shard-order checks and reaches our own redistribution and
-propagation hooks. Equality and hashing are by value because DTensor's native dispatch cache
+propagation hooks, which constructing the first RaggedShard installs
+(:mod:`ragged_dtensor.torch_patches`). Equality and hashing are by value because DTensor's native dispatch cache
 and ``DTensorSpec`` hashing use them.
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 
 from torch.distributed.tensor.placement_types import Placement
 
-from ragged_dtensor import ragged_math
+from ragged_dtensor import ragged_math, torch_patches
 
 
 class RaggedShard(Placement):
@@ -37,6 +38,8 @@ class RaggedShard(Placement):
     """
 
     def __init__(self, dims: Sequence[int], local_units: Sequence[int]) -> None:
+        # the first RaggedShard installs torch_patches: no RaggedShard DTensor exists before
+        torch_patches.install()
         Placement.__init__(self)
         self._dims = ragged_math.normalize_dims(dims)
         self._local_units = ragged_math.normalize_units(local_units)

@@ -38,7 +38,7 @@ from torch.distributed.tensor._sharding_prop import LocalLRUCache, ShardingPropa
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ragged_dtensor import fused_optim, op_routing, random_fills, reductions, torch_handlers, views
+from ragged_dtensor import fused_optim, random_fills, reductions, torch_handlers, views
 from ragged_dtensor.placement import RaggedShard, is_ragged
 
 aten = torch.ops.aten
@@ -493,22 +493,25 @@ class RaggedPropagator:
         )
 
 
-def install() -> None:
-    """Install the RaggedShard propagation on DTensor's sharding propagator (idempotent).
-
-    Both entry points are replaced: ``propagate_op_sharding_non_cached`` and the cached
-    ``propagate_op_sharding`` (whose cache wraps the bound method it was built with). The
-    op routes of :mod:`ragged_dtensor.reductions`, :mod:`ragged_dtensor.views`,
+def register_routes() -> None:
+    """Register the op routes of :mod:`ragged_dtensor.reductions`, :mod:`ragged_dtensor.views`,
     :mod:`ragged_dtensor.torch_handlers`, :mod:`ragged_dtensor.fused_optim` and
-    :mod:`ragged_dtensor.random_fills` are registered and :mod:`ragged_dtensor.op_routing` is
-    installed too.
-    """
+    :mod:`ragged_dtensor.random_fills` (idempotent; :func:`ragged_dtensor.install` calls it)."""
     for module in (reductions, views, torch_handlers, fused_optim, random_fills):
         module.install()
-    op_routing.install()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    if isinstance(propagator.propagate_op_sharding_non_cached, RaggedPropagator):
-        return
-    wrapped = RaggedPropagator(propagator, propagator.propagate_op_sharding_non_cached)
-    propagator.propagate_op_sharding_non_cached = wrapped  # type: ignore[method-assign]
-    propagator.propagate_op_sharding = LocalLRUCache(wrapped)  # type: ignore[method-assign]
+
+
+def patched_propagator(original: Propagate) -> RaggedPropagator:
+    """The :mod:`ragged_dtensor.torch_patches` factory of the sharding propagator's
+    ``propagate_op_sharding_non_cached`` (a bound method of DTensor's one propagator)."""
+    return RaggedPropagator(original.__self__, original)  # type: ignore[attr-defined]
+
+
+def patched_propagator_cache(original: LocalLRUCache) -> LocalLRUCache:
+    """The :mod:`ragged_dtensor.torch_patches` factory of the cached ``propagate_op_sharding``:
+    torch's LRU cache wraps the bound method it was built with, so a new cache wraps the
+    :class:`RaggedPropagator` installed just before it."""
+    wrapped = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached
+    if not isinstance(wrapped, RaggedPropagator):
+        raise RuntimeError("the ragged propagator must be installed before its cache")
+    return LocalLRUCache(wrapped)

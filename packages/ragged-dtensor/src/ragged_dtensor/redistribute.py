@@ -2,8 +2,9 @@
 
 torch routes ``DTensor.redistribute`` / ``full_tensor`` (and their backward), the input
 redistributions planned by sharding propagation, and ``from_local``'s backward through one
-function, ``redistribute_local_tensor``, imported by name into three modules. :func:`install`
-replaces it in all three with a wrapper that hands transitions involving ``RaggedShard`` to
+function, ``redistribute_local_tensor``, imported by name into three modules;
+:mod:`ragged_dtensor.torch_patches` replaces it in all three with
+:func:`redistribute_ragged_local_tensor`, which hands transitions involving ``RaggedShard`` to
 the paths below and everything else to torch.
 
 On one mesh dimension, a transition is planned as a :class:`~ragged_dtensor.transfer_plan.Transfer`
@@ -37,25 +38,16 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import _api as dtensor_api
-from torch.distributed.tensor import _dispatch as dtensor_dispatch
-from torch.distributed.tensor import _redistribute as dtensor_redistribute
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from ragged_dtensor.consensus import raise_on_any_rank
 from ragged_dtensor.exchange import exchange
 from ragged_dtensor.placement import ragged_mesh_dims
+from ragged_dtensor.torch_patches import torch_original
 from ragged_dtensor.transfer_plan import is_plain_partial, plan_transfer, size_error
 
-_PATCH_SITES = (dtensor_redistribute, dtensor_dispatch, dtensor_api)
-# torch's function; if this module is re-imported after install(), the installed wrapper
-# remembers it, so the wrapper never wraps itself
-_ORIGINAL = getattr(
-    dtensor_redistribute.redistribute_local_tensor,
-    "torch_original",
-    dtensor_redistribute.redistribute_local_tensor,
-)
+_ORIGINAL = torch_original("torch.distributed.tensor._redistribute.redistribute_local_tensor")
 
 
 def run_transfers(
@@ -252,10 +244,8 @@ def redistribute_many(
     ]
 
 
-redistribute_ragged_local_tensor.torch_original = _ORIGINAL
-
-
-def install() -> None:
-    """Route torch's ``redistribute_local_tensor`` through the ragged paths (idempotent)."""
-    for module in _PATCH_SITES:
-        module.redistribute_local_tensor = redistribute_ragged_local_tensor
+def patched_redistribute_local_tensor(original: object) -> object:
+    """The :mod:`ragged_dtensor.torch_patches` factory of the three ``redistribute_local_tensor``
+    sites (each holds torch's one function, which :func:`redistribute_ragged_local_tensor`
+    calls for every transition without RaggedShard)."""
+    return redistribute_ragged_local_tensor

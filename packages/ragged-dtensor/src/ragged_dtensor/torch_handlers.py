@@ -126,7 +126,7 @@ ROUTES = {
 
 
 def install() -> None:
-    """Route these ops on RaggedShard inputs here (idempotent); :func:`ragged_dtensor.op_routing.install`
+    """Route these ops on RaggedShard inputs here (idempotent); :func:`ragged_dtensor.install`
     then wraps torch's own table entries."""
     add_routes(ROUTES)
 
