@@ -21,6 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from fsdp.policies import UnitPolicy
 from fsdp.sharding import build_group, collect_params, managed_modules, resolve_units, signature
 from fsdp.state import FSDPState, get_state
+from fsdp.tensor_parallel import plan_layouts
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -131,11 +132,13 @@ def fully_shard(
     labels = ", ".join(type(m).__name__ for m in modules)
     collected: list = []
     units: dict[str, int] = {}
+    layouts: dict = {}
     error: BaseException | None = None
     try:
         collected = collect_params(managed_modules(modules, lambda m: get_state(m) is not None),
                                    set(ignored_params or ()))
         units = resolve_units(collected, unit_policy, shard_placement_fn)
+        layouts = plan_layouts([(c.name, c.param) for c in collected], mesh)
     except (ValueError, NotImplementedError, TypeError) as caught:
         error = caught
     # One collective per mesh dim: an error found on any rank, or parameters (names, shapes,
@@ -144,7 +147,7 @@ def fully_shard(
         raise_on_any_rank(error, mesh.get_group(dim), agree_on=signature(collected, units))
     group = None
     if collected:
-        group = build_group(collected, units, mesh, device, mp_policy, labels)
+        group = build_group(collected, units, mesh, device, mp_policy, labels, layouts)
         if reshard_after_forward is not None:
             group.config.reshard_after_forward = reshard_after_forward
     for _, m in managed_modules(modules, lambda m: get_state(m) is not None):

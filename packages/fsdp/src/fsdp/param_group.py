@@ -105,6 +105,11 @@ class ManagedParam:
             param.grad = self.buffer.grad_view(self.name)
             self.armed = True
 
+    def sharded_grad(self) -> torch.Tensor:
+        """The reduced gradient to expose as ``sharded.grad`` (a hook point:
+        :class:`fsdp.tensor_parallel.TPManagedParam` gives it the combined-mesh spec)."""
+        return self.buffer.sharded_grad(self.name)
+
     def disarm_grad(self, *, reduced: bool) -> None:
         """Let go of the gradient buffer's view (its memory is about to be freed); after a
         reduction also forget that a gradient arrived."""
@@ -360,7 +365,7 @@ class FSDPParamGroup:
                 grad = p.sharded.grad
                 if grad is None:
                     buffer.sharded_grad_view(p.name).zero_()
-                elif grad is not buffer.sharded_grad(p.name):
+                elif grad is not p.sharded_grad():
                     local = grad.to_local() if hasattr(grad, "to_local") else grad
                     buffer.sharded_grad_view(p.name).copy_(local.reshape(-1))
 
@@ -374,7 +379,7 @@ class FSDPParamGroup:
             if not p.trainable:
                 continue
             keep = p.got_grad or self.config.reduce_scatter_unused_params or p.sharded.grad is not None
-            p.sharded.grad = p.buffer.sharded_grad(p.name) if keep else None
+            p.sharded.grad = p.sharded_grad() if keep else None
             p.disarm_grad(reduced=True)
         for buffer in self.trainable_buffers:
             buffer.free_grad()

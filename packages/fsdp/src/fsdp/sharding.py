@@ -19,12 +19,13 @@ import torch.nn as nn
 from dbuffer import DBuffer
 from layout_planner import TensorSpec, plan_buckets
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp.buffers import make_buffer, sharded_parameter
 from fsdp.param_group import FSDPParamGroup, ManagedParam
 from fsdp.policies import UnitPolicy, resolve_unit
+from fsdp.tensor_parallel import TPLayout, TPManagedParam, stored_tensor
+from fsdp import tensor_parallel
 
 # Marks set on parameters (tensors hash by identity but compare element-wise, so weak
 # containers cannot hold them): the group label that took an original parameter, to name both
@@ -97,11 +98,6 @@ def collect_params(modules: list[tuple[str, nn.Module]],
                     f"{getattr(param, _OWNER_ATTR)}, which already manages it; a parameter can belong "
                     "to one group only: put both modules in one group with "
                     "fully_shard([module_a, module_b])")
-            if isinstance(param, DTensor):
-                raise NotImplementedError(
-                    f"fully_shard: parameter {name!r} is already a DTensor "
-                    f"({param.placements}); composing fsdp with tensor parallelism is not "
-                    "supported")
             if param.dim() == 0:
                 raise ValueError(f"fully_shard doesn't support scalar parameters. Change {name} "
                                  "to a 1D tensor with numel equal to 1.")
@@ -125,7 +121,7 @@ def _align(dtypes: Iterable[torch.dtype]) -> int:
 def resolve_units(collected: list[Collected], unit_policy: UnitPolicy | None,
                   shard_placement_fn: Callable[[nn.Parameter], object] | None) -> dict[str, int]:
     """Every parameter's unit under the user's policies (see :func:`resolve_unit`)."""
-    return {c.name: resolve_unit(c.name, c.param, unit_policy, shard_placement_fn)
+    return {c.name: resolve_unit(c.name, stored_tensor(c.param), unit_policy, shard_placement_fn)
             for c in collected}
 
 
@@ -138,12 +134,16 @@ def signature(collected: list[Collected], units: dict[str, int]) -> str:
 
 def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceMesh,
                 device: torch.device, mp_policy: MixedPrecisionPolicy,
-                label: str) -> FSDPParamGroup:
+                label: str, layouts: dict[str, TPLayout] | None = None) -> FSDPParamGroup:
     """Plan, allocate and register the sharded parameters of one group.
 
     Every rank computes the same plans from the same parameter shapes (checked before, by
     ``fully_shard``); each DBuffer checks its plan again with one small collective.
+    Tensor-parallel parameters (``layouts``, by name) are planned and stored as their TP-local
+    tensors (:mod:`fsdp.tensor_parallel`).
     """
+    layouts = layouts or {}
+    stored = {c.name: stored_tensor(c.param) for c in collected}
     shard_size = mesh.size(mesh.ndim - 1)
     kinds: dict[tuple[bool, torch.dtype], list[Collected]] = {}
     for c in collected:
@@ -154,21 +154,21 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
     for (requires_grad, dtype), members in kinds.items():
         compute = mp_policy.param_dtype or dtype
         reduce = mp_policy.reduce_dtype or compute
-        specs = [TensorSpec(c.name, c.param.numel(), units[c.name], tuple(c.param.shape))
-                 for c in members]
+        specs = [TensorSpec(c.name, stored[c.name].numel(), units[c.name],
+                            tuple(stored[c.name].shape)) for c in members]
         by_name = {c.name: c for c in members}
         cost = shard_size * _BUCKET_COST_BYTES_PER_RANK // dtype.itemsize
         for plan in plan_buckets(specs, shard_size, align=_align((dtype, compute, reduce)),
                                  bucket_cost=cost):
             names = [e.name for e in plan.entries]
-            meta = [n for n in names if by_name[n].param.is_meta]
+            meta = [n for n in names if stored[n].is_meta]
             if meta and len(meta) != len(names):
                 real = next(n for n in names if not by_name[n].param.is_meta)
                 raise ValueError(
                     f"fully_shard: parameter {meta[0]!r} is on the meta device but {real!r} "
                     f"is on {by_name[real].param.device}; a group is initialised either from "
                     "real tensors or on the meta device (then to_empty() and init), not both")
-            full = None if meta else {n: by_name[n].param for n in names}
+            full = None if meta else {n: stored[n] for n in names}
             buffer = make_buffer(plan, mesh, device=device, dtype=dtype, mp_policy=mp_policy,
                                  trainable=requires_grad, full_tensors=full)
             buffers.append(buffer)
@@ -176,10 +176,15 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
                 uninitialised.append(buffer)
             for name in names:
                 c = by_name[name]
-                sharded = sharded_parameter(buffer, name, requires_grad)
+                if name in layouts:  # tensor parallel: the combined-mesh DTensor
+                    sharded = tensor_parallel.sharded_parameter(buffer, name, layouts[name],
+                                                                requires_grad)
+                    m = TPManagedParam(name, c.slots, buffer, sharded, layout=layouts[name])
+                else:
+                    sharded = sharded_parameter(buffer, name, requires_grad)
+                    m = ManagedParam(name, c.slots, buffer, sharded)
                 setattr(c.param, _OWNER_ATTR, label)
                 setattr(sharded, _SHARDED_ATTR, True)
-                m = ManagedParam(name, c.slots, buffer, sharded)
                 m.register(sharded)
                 managed.append(m)
     order = {c.name: i for i, c in enumerate(collected)}
