@@ -43,6 +43,20 @@ def is_composed(placements: Sequence[Placement]) -> bool:
     return bool(ragged_mesh_dims(placements)) and any(is_tp_shard(p) for p in placements)
 
 
+def refuse(placements: Sequence[Placement], what: str) -> None:
+    """Raise ``NotImplementedError`` naming ``what`` for composed ``placements`` (a path that
+    reads ragged runs on the global shape and would misplace them).
+
+    Args:
+        placements: a DTensor's placements.
+        what: the operation, for the message.
+    """
+    if is_composed(placements):
+        raise NotImplementedError(
+            f"{what} on a RaggedShard DTensor beside tensor-parallel Shard placements "
+            f"({tuple(placements)}) are not supported")
+
+
 def ragged_shape(mesh: DeviceMesh, placements: Sequence[Placement],
                  shape: Sequence[int]) -> tuple[int, ...]:
     """The shape a RaggedShard in ``placements`` cuts: ``shape`` after the even ``Shard`` cuts
