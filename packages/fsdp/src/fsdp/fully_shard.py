@@ -61,7 +61,9 @@ def fully_shard(
         module: a module, or a list of modules sharded as one group (e.g. a tied embedding
             and LM head).
         mesh: a 1-D mesh (FSDP) or a 2-D ``(replicate, shard)`` mesh (HSDP); default: a
-            1-D mesh over the world on the default device type.
+            1-D mesh over the world on the default device type. Parameters that are already
+            DTensors on a tensor-parallel mesh of the same world keep their TP layout (see
+            :mod:`fsdp.tensor_parallel`).
         reshard_after_forward: free the unsharded parameters after forward (``True``), keep
             them (``False``), or ``None``: ``True`` except for the root, decided at the
             first forward, as FSDP2 does.
@@ -85,9 +87,10 @@ def fully_shard(
             top-down, a non-positive unit, ``Shard(d > 0)``, a scalar or empty parameter, or a
             container without ``forward`` (the same facts on every rank, so every rank
             raises).
-        NotImplementedError: for DTensor (tensor-parallel) parameters, an ``int``
-            ``reshard_after_forward``, or CPU offload of a
-            mesh that is not on CPU.
+        NotImplementedError: for tensor-parallel (DTensor) parameters whose placements fsdp
+            cannot compose with (uneven ``Shard(d)``, ``Partial``; see
+            :mod:`fsdp.tensor_parallel`), an ``int`` ``reshard_after_forward``, or CPU
+            offload of a mesh that is not on CPU.
         TypeError: for a ``module``, ``mesh``, ``mp_policy`` or ``unit_policy`` of the
             wrong type, naming it.
     """

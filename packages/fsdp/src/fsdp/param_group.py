@@ -105,6 +105,10 @@ class ManagedParam:
             param.grad = self.buffer.grad_view(self.name)
             self.armed = True
 
+    def sharded_on(self, buffer: DBuffer) -> nn.Parameter:
+        """A new sharded parameter over ``buffer`` (a hook point, like :meth:`sharded_grad`)."""
+        return sharded_parameter(buffer, self.name, self.sharded.requires_grad)
+
     def sharded_grad(self) -> torch.Tensor:
         """The reduced gradient to expose as ``sharded.grad`` (a hook point:
         :class:`fsdp.tensor_parallel.TPManagedParam` gives it the combined-mesh spec)."""
@@ -406,8 +410,7 @@ class FSDPParamGroup:
                     if target is buffer:
                         p.sharded._local_tensor = view
                     else:
-                        torch.utils.swap_tensors(
-                            p.sharded, sharded_parameter(target, p.name, p.sharded.requires_grad))
+                        torch.utils.swap_tensors(p.sharded, p.sharded_on(target))
                         p.buffer, p.unsharded, p.armed = target, None, False
                     p.register(p.sharded)
 

@@ -200,6 +200,10 @@ class TPManagedParam(ManagedParam):
             param.grad = self._armed_grad()
             self.armed = True
 
+    def sharded_on(self, buffer: DBuffer) -> nn.Parameter:
+        """A new combined-mesh sharded parameter over ``buffer`` (after ``model.to(dtype)``)."""
+        return sharded_parameter(buffer, self.name, self._layout, self.sharded.requires_grad)
+
     def sharded_grad(self) -> DTensor:
         """The reduced gradient: the sharded gradient buffer's view on the combined mesh."""
         view = self.buffer.sharded_grad_view(self.name)
