@@ -64,8 +64,18 @@ def hsdp_case(shape: tuple[int, ...], units: tuple[int, ...], other: tuple[int, 
     # (Partial, Partial) -> (Replicate, RaggedShard)
     pending = DTensor.from_local(parts[rank], mesh, (Partial(), Partial()), run_check=False)
     check(pending.redistribute(mesh, hsdp), hsdp, sum(parts))
-    with pytest.raises(NotImplementedError, match="without RaggedShard must be Replicate or Partial"):
-        dt.redistribute(mesh, (Shard(0), ragged))
+    if shape[0] % 2 == 0:
+        # beside a Shard, RaggedShard cuts the Shard-local tensor (ragged_dtensor.composed)
+        tp_local = full.chunk(2)[row]
+        start, end = ragged.flat_range(tuple(tp_local.shape), col)
+        composed = dt.redistribute(mesh, (Shard(0), ragged))
+        assert torch.equal(composed.to_local(), tp_local.reshape(-1)[start:end])
+        assert torch.equal(composed.full_tensor(), full)
+    else:
+        with pytest.raises(NotImplementedError, match="not divisible"):
+            dt.redistribute(mesh, (Shard(0), ragged))
+    with pytest.raises(NotImplementedError, match="only one mesh dimension"):
+        dt.redistribute(mesh, (ragged, ragged))
 
 
 def test_hsdp_layout_on_a_2x2_mesh(ranks) -> None:

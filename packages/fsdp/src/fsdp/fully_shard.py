@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from fsdp.policies import UnitPolicy
 from fsdp.sharding import build_group, collect_params, managed_modules, resolve_units, signature
 from fsdp.state import FSDPState, get_state
+from fsdp.tensor_parallel import plan_layouts
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -61,7 +62,9 @@ def fully_shard(
         module: a module, or a list of modules sharded as one group (e.g. a tied embedding
             and LM head).
         mesh: a 1-D mesh (FSDP) or a 2-D ``(replicate, shard)`` mesh (HSDP); default: a
-            1-D mesh over the world on the default device type.
+            1-D mesh over the world on the default device type. Parameters that are already
+            DTensors on a tensor-parallel mesh of the same world keep their TP layout (see
+            :mod:`fsdp.tensor_parallel`).
         reshard_after_forward: free the unsharded parameters after forward (``True``), keep
             them (``False``), or ``None``: ``True`` except for the root, decided at the
             first forward, as FSDP2 does.
@@ -85,9 +88,10 @@ def fully_shard(
             top-down, a non-positive unit, ``Shard(d > 0)``, a scalar or empty parameter, or a
             container without ``forward`` (the same facts on every rank, so every rank
             raises).
-        NotImplementedError: for DTensor (tensor-parallel) parameters, an ``int``
-            ``reshard_after_forward``, or CPU offload of a
-            mesh that is not on CPU.
+        NotImplementedError: for tensor-parallel (DTensor) parameters whose placements fsdp
+            cannot compose with (uneven ``Shard(d)``, ``Partial``; see
+            :mod:`fsdp.tensor_parallel`), an ``int`` ``reshard_after_forward``, or CPU
+            offload of a mesh that is not on CPU.
         TypeError: for a ``module``, ``mesh``, ``mp_policy`` or ``unit_policy`` of the
             wrong type, naming it.
     """
@@ -132,11 +136,13 @@ def fully_shard(
     labels = ", ".join(type(m).__name__ for m in modules)
     collected: list = []
     units: dict[str, int] = {}
+    layouts: dict = {}
     error: BaseException | None = None
     try:
         collected = collect_params(managed_modules(modules, lambda m: get_state(m) is not None),
                                    set(ignored_params or ()))
         units = resolve_units(collected, unit_policy, shard_placement_fn)
+        layouts = plan_layouts([(c.name, c.param) for c in collected], mesh)
     except (ValueError, NotImplementedError, TypeError) as caught:
         error = caught
     # One collective per mesh dim: an error found on any rank, or parameters (names, shapes,
@@ -145,7 +151,7 @@ def fully_shard(
         raise_on_any_rank(error, mesh.get_group(dim), agree_on=signature(collected, units))
     group = None
     if collected:
-        group = build_group(collected, units, mesh, device, mp_policy, labels)
+        group = build_group(collected, units, mesh, device, mp_policy, labels, layouts)
         if reshard_after_forward is not None:
             group.config.reshard_after_forward = reshard_after_forward
     for _, m in managed_modules(modules, lambda m: get_state(m) is not None):

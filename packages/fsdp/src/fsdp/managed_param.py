@@ -25,6 +25,8 @@ import torch.nn as nn
 from dbuffer import DBuffer, is_released
 from torch.distributed.tensor import DTensor
 
+from fsdp.buffers import sharded_parameter
+
 
 @dataclass(eq=False)
 class ManagedParam:
@@ -60,13 +62,52 @@ class ManagedParam:
             module._parameters[attr] = param
 
     def unsharded_param(self) -> nn.Parameter:
-        """The unsharded parameter, created on first use as a view of the unsharded buffer."""
+        """The unsharded parameter, created on first use as a view of the unsharded buffer
+        (:meth:`_as_param_tensor` of it)."""
         if self.unsharded is None:
-            view = self.buffer.unsharded_view(self.name)
+            view = self._as_param_tensor(self.buffer.unsharded_view(self.name))
             self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
             if self.trainable:
                 self.unsharded.register_post_accumulate_grad_hook(self._note_grad)
         return self.unsharded
+
+    def adopt(self, value: torch.Tensor) -> None:
+        """Copy this rank's run of ``value`` (a tensor the user assigned in place of the
+        parameter after ``fully_shard``) into the sharded buffer."""
+        local = self.buffer.local_view(self.name)
+        with torch.no_grad():
+            if isinstance(value, DTensor) and value.placements == self.sharded.placements:
+                local.copy_(value.to_local().reshape(-1))
+                return
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            start, end = self.buffer.plan.local_range(self.name, self.buffer.rank)
+            local.copy_(value.reshape(-1)[start:end])
+
+    # The hook points of a parameter whose unsharded form is not a plain tensor
+    # (fsdp.tensor_parallel.TPManagedParam: a tensor-parallel DTensor over the same views).
+    def _as_param_tensor(self, view: torch.Tensor) -> torch.Tensor:
+        """What the module sees for an unsharded (parameter or gradient) view."""
+        return view
+
+    def _buffer_grad(self) -> torch.Tensor:
+        """The ``.grad`` that accumulates in place into the gradient buffer."""
+        return self._as_param_tensor(self.buffer.grad_view(self.name))
+
+    def _is_buffer_grad(self, grad: torch.Tensor) -> bool:
+        return self.buffer.grad_is_view(self.name, self._local(grad))
+
+    def _local(self, grad: torch.Tensor) -> torch.Tensor:
+        """The plain tensor laid out like the buffer's view, of a ``.grad``."""
+        return grad
+
+    def sharded_on(self, buffer: DBuffer) -> nn.Parameter:
+        """A new sharded parameter over ``buffer`` (after ``model.to(dtype)`` rebuilt it)."""
+        return sharded_parameter(buffer, self.name, self.sharded.requires_grad)
+
+    def sharded_grad(self) -> DTensor:
+        """The reduced gradient to give the sharded parameter."""
+        return self.buffer.sharded_grad(self.name)
 
     def _note_grad(self, param: torch.Tensor) -> None:
         del param
@@ -79,12 +120,12 @@ class ManagedParam:
         gradient so far and is moved into the view first."""
         assert self.unsharded is not None
         grad = self.unsharded.grad
-        if grad is not None and self.buffer.grad_is_view(self.name, grad):
+        if grad is not None and self._is_buffer_grad(grad):
             return
-        view = self.buffer.grad_view(self.name)
+        target = self._buffer_grad()
         if grad is not None:
-            self._copy_into(view, grad)
-        self.unsharded.grad = view
+            self._copy_into(grad)
+        self.unsharded.grad = target
 
     def collect_grad(self) -> None:
         """At the end of the group's backward: make the buffer hold what ``.grad`` says (a
@@ -98,12 +139,13 @@ class ManagedParam:
                 self.buffer.grad_view(self.name).zero_()
                 self.got_grad = False
             return
-        if not self.buffer.grad_is_view(self.name, grad):
-            view = self.buffer.grad_view(self.name)
-            self._copy_into(view, grad)
-            self.unsharded.grad = view
+        if not self._is_buffer_grad(grad):
+            self._copy_into(grad)
+            self.unsharded.grad = self._buffer_grad()
 
-    def _copy_into(self, view: torch.Tensor, grad: torch.Tensor) -> None:
+    def _copy_into(self, grad: torch.Tensor) -> None:
+        view = self.buffer.grad_view(self.name)
+        grad = self._local(grad)
         if isinstance(grad, DTensor) or tuple(grad.shape) != tuple(view.shape):
             raise ValueError(f"parameter {self.name!r}: its unsharded .grad must be a plain "
                              f"tensor of shape {tuple(view.shape)}, got "

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from fsdp.buffers import make_buffer, sharded_parameter
+from fsdp.buffers import make_buffer
 from fsdp.managed_param import ManagedParam
 
 
@@ -132,16 +132,7 @@ class FSDPParamGroup:
                 current = module._parameters.get(attr)
                 if current is p.sharded or current is None:
                     continue
-                value = current.detach()
-                local = p.buffer.local_view(p.name)
-                with torch.no_grad():
-                    if isinstance(value, DTensor) and value.placements == p.sharded.placements:
-                        local.copy_(value.to_local().reshape(-1))
-                    else:
-                        if isinstance(value, DTensor):
-                            value = value.full_tensor()
-                        start, end = p.buffer.plan.local_range(p.name, p.buffer.rank)
-                        local.copy_(value.reshape(-1)[start:end])
+                p.adopt(current.detach())
                 p.register(p.sharded)
 
     def unshard(self, async_op: bool = False) -> None:
@@ -332,7 +323,7 @@ class FSDPParamGroup:
             if not p.trainable:
                 continue
             if p.got_grad or reduce_unused:
-                p.take_sharded_grad(p.buffer.sharded_grad(p.name))
+                p.take_sharded_grad(p.sharded_grad())
             p.release_grad(reduced=True)
         for buffer in self.trainable_buffers:
             buffer.free_grad()
@@ -378,8 +369,7 @@ class FSDPParamGroup:
                     if target is buffer:
                         p.sharded._local_tensor = view
                     else:
-                        torch.utils.swap_tensors(
-                            p.sharded, sharded_parameter(target, p.name, p.sharded.requires_grad))
+                        torch.utils.swap_tensors(p.sharded, p.sharded_on(target))
                         p.buffer, p.unsharded = target, None
                     p.register(p.sharded)
 

@@ -21,13 +21,14 @@ import torch.nn as nn
 from dbuffer import DBuffer
 from layout_planner import TensorSpec, plan_buckets
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp.buffers import make_buffer, sharded_parameter
 from fsdp.managed_param import ManagedParam
 from fsdp.param_group import FSDPParamGroup
 from fsdp.policies import UnitPolicy, resolve_unit
+from fsdp.tensor_parallel import TPLayout, TPManagedParam, stored_tensor
+from fsdp import tensor_parallel
 
 # Marks set on parameters (tensors hash by identity but compare element-wise, so weak
 # containers cannot hold them): the group label that took an original parameter, to name both
@@ -100,11 +101,6 @@ def collect_params(modules: list[tuple[str, nn.Module]],
                     f"{getattr(param, _OWNER_ATTR)}, which already manages it; a parameter can belong "
                     "to one group only: put both modules in one group with "
                     "fully_shard([module_a, module_b])")
-            if isinstance(param, DTensor):
-                raise NotImplementedError(
-                    f"fully_shard: parameter {name!r} is already a DTensor "
-                    f"({param.placements}); composing fsdp with tensor parallelism is not "
-                    "supported")
             if param.dim() == 0:
                 raise ValueError(f"fully_shard doesn't support scalar parameters. Change {name} "
                                  "to a 1D tensor with numel equal to 1.")
@@ -128,7 +124,7 @@ def _align(dtypes: Iterable[torch.dtype]) -> int:
 def resolve_units(collected: list[Collected], unit_policy: UnitPolicy | None,
                   shard_placement_fn: Callable[[nn.Parameter], object] | None) -> dict[str, int]:
     """Every parameter's unit under the user's policies (see :func:`resolve_unit`)."""
-    return {c.name: resolve_unit(c.name, c.param, unit_policy, shard_placement_fn)
+    return {c.name: resolve_unit(c.name, stored_tensor(c.param), unit_policy, shard_placement_fn)
             for c in collected}
 
 
@@ -141,12 +137,16 @@ def signature(collected: list[Collected], units: dict[str, int]) -> str:
 
 def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceMesh,
                 device: torch.device, mp_policy: MixedPrecisionPolicy,
-                label: str) -> FSDPParamGroup:
+                label: str, layouts: dict[str, TPLayout] | None = None) -> FSDPParamGroup:
     """Plan, allocate and register the sharded parameters of one group.
 
     Every rank computes the same plans from the same parameter shapes (checked before, by
     ``fully_shard``); each DBuffer checks its plan again with one small collective.
+    Tensor-parallel parameters (``layouts``, by name) are planned and stored as their TP-local
+    tensors (:mod:`fsdp.tensor_parallel`).
     """
+    layouts = layouts or {}
+    stored = {c.name: stored_tensor(c.param) for c in collected}
     shard_size = mesh.size(mesh.ndim - 1)
     kinds: dict[tuple[bool, torch.dtype], list[Collected]] = {}
     for c in collected:
@@ -157,14 +157,14 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
     for (requires_grad, dtype), members in kinds.items():
         compute = mp_policy.param_dtype or dtype
         reduce = mp_policy.reduce_dtype or compute
-        specs = [TensorSpec(c.name, c.param.numel(), units[c.name], tuple(c.param.shape))
-                 for c in members]
+        specs = [TensorSpec(c.name, stored[c.name].numel(), units[c.name],
+                            tuple(stored[c.name].shape)) for c in members]
         by_name = {c.name: c for c in members}
         cost = shard_size * _BUCKET_COST_BYTES_PER_RANK // dtype.itemsize
         for plan in plan_buckets(specs, shard_size, align=_align((dtype, compute, reduce)),
                                  bucket_cost=cost):
             names = [e.name for e in plan.entries]
-            meta = [n for n in names if by_name[n].param.is_meta]
+            meta = [n for n in names if stored[n].is_meta]
             if meta and len(meta) != len(names):
                 real = next(n for n in names if not by_name[n].param.is_meta)
                 raise ValueError(
@@ -174,7 +174,7 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
             # Meta parameters stay on the meta device, as in FSDP2 (code that tests
             # ``p.is_meta`` to decide what to initialise must see them there): the buffer
             # holds no memory until ``to_empty`` rebuilds it on the real device.
-            full = None if meta else {n: by_name[n].param for n in names}
+            full = None if meta else {n: stored[n] for n in names}
             buffer = make_buffer(plan, mesh, device=torch.device("meta") if meta else device,
                                  dtype=dtype, mp_policy=mp_policy, trainable=requires_grad,
                                  full_tensors=full)
@@ -183,10 +183,15 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
                 uninitialised.append(buffer)
             for name in names:
                 c = by_name[name]
-                sharded = sharded_parameter(buffer, name, requires_grad)
+                if name in layouts:  # tensor parallel: the combined-mesh DTensor
+                    sharded = tensor_parallel.sharded_parameter(buffer, name, layouts[name],
+                                                                requires_grad)
+                    m = TPManagedParam(name, c.slots, buffer, sharded, layout=layouts[name])
+                else:
+                    sharded = sharded_parameter(buffer, name, requires_grad)
+                    m = ManagedParam(name, c.slots, buffer, sharded)
                 setattr(c.param, _OWNER_ATTR, label)
                 setattr(sharded, _SHARDED_ATTR, True)
-                m = ManagedParam(name, c.slots, buffer, sharded)
                 m.register(sharded)
                 managed.append(m)
     order = {c.name: i for i, c in enumerate(collected)}

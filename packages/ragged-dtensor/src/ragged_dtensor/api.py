@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
-from ragged_dtensor import ragged_math
+from ragged_dtensor import composed, ragged_math
 from ragged_dtensor.autograd_hooks import local_run_error
 from ragged_dtensor.placement import RaggedShard, find_ragged, is_ragged
 from ragged_dtensor.redistribute import redistribute_ragged_local_tensor
@@ -160,7 +160,8 @@ def local_shaped(dtensor: DTensor) -> torch.Tensor:
 
     A RaggedShard local tensor is a flat run of whole prefix rows (``k = len(dims)``); this
     views it with the suffix dims restored, e.g. ``(rows, in_features)`` for a weight sharded
-    over ``dims=(0,)``. Other placements' local tensors are returned as they are. The view is
+    over ``dims=(0,)``; beside tensor-parallel ``Shard`` placements the run is one of the
+    TP-local tensor (:mod:`ragged_dtensor.composed`). Other placements' local tensors are returned as they are. The view is
     differentiable like ``to_local``.
 
     Args:
@@ -178,7 +179,8 @@ def local_shaped(dtensor: DTensor) -> torch.Tensor:
     found = find_ragged(dtensor.placements)
     if found is None:
         return local
-    (mesh_dim, placement), shape = found, tuple(dtensor.shape)
+    mesh_dim, placement = found
+    shape = composed.ragged_shape(dtensor.device_mesh, dtensor.placements, tuple(dtensor.shape))
     k = len(placement.dims)
     coord = dtensor.device_mesh.get_local_rank(mesh_dim)
     rows = ragged_math.unit_rows(shape, k, placement.local_units) * placement.local_units[coord]

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
+from ragged_dtensor import composed
 from ragged_dtensor.consensus import raise_on_any_rank
 from ragged_dtensor.placement import find_ragged
 from ragged_dtensor.torch_patches import torch_original
@@ -63,6 +64,7 @@ def local_run_error(
         )
     coordinate = mesh.get_local_rank(mesh_dim)
     try:
+        shape = composed.ragged_shape(mesh, placements, shape)  # the TP-local shape beside Shard
         placement.check(tuple(shape), mesh.size(mesh_dim))
     except ValueError as error:
         return error

@@ -38,7 +38,7 @@ from torch.distributed.tensor._sharding_prop import LocalLRUCache, ShardingPropa
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ragged_dtensor import fused_optim, random_fills, reductions, torch_handlers, views
+from ragged_dtensor import composed, fused_optim, random_fills, reductions, torch_handlers, views
 from ragged_dtensor.placement import RaggedShard, is_ragged
 
 aten = torch.ops.aten
@@ -82,7 +82,8 @@ def _is_local_layout(spec: DTensorSpec) -> bool:
     ``(Replicate(), RaggedShard)``, their pending gradients ``(Partial(), RaggedShard)``)."""
     kinds = [isinstance(p, RaggedShard) for p in spec.placements]
     return sum(kinds) == 1 and all(
-        ragged or p.is_replicate() or p.is_partial() for ragged, p in zip(kinds, spec.placements)
+        ragged or p.is_replicate() or p.is_partial() or composed.is_tp_shard(p)
+        for ragged, p in zip(kinds, spec.placements)
     )
 
 
@@ -330,7 +331,8 @@ class RaggedPropagator:
         reduce_op = PARTIAL_REDUCTIONS[op_schema.op]
         spec = specs[0]
         placements = tuple(
-            Partial(reduce_op) if isinstance(p, RaggedShard) else p for p in spec.placements
+            Partial(reduce_op) if isinstance(p, RaggedShard) or composed.is_tp_shard(p) else p
+            for p in spec.placements
         )
         meta = self.propagator._propagate_tensor_meta_non_cached(op_schema)
         if not isinstance(meta, TensorMeta):

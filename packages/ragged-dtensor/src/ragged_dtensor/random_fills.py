@@ -30,6 +30,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ragged_dtensor.op_routing import Route, add_routes
+from ragged_dtensor import composed
 from ragged_dtensor.placement import find_ragged, is_ragged
 
 aten = torch.ops.aten
@@ -71,6 +72,7 @@ def local_flat_range(x: DTensor | DTensorSpec) -> tuple[int, int]:
     assert found is not None
     mesh_dim, placement = found
     mesh = x.device_mesh if isinstance(x, DTensor) else x.mesh
+    composed.refuse(x.placements, "random ops (initialise parameters before fully_shard)")
     return placement.flat_range(tuple(x.shape), mesh.get_local_rank(mesh_dim))
 
 

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
+from ragged_dtensor import composed
 from ragged_dtensor.consensus import raise_on_any_rank
 from ragged_dtensor.exchange import exchange
 from ragged_dtensor.placement import ragged_mesh_dims
@@ -180,6 +181,8 @@ def redistribute_ragged_local_tensor(
         raise NotImplementedError("redistributing a RaggedShard DTensor across meshes is not supported")
     if not mesh._is_current_rank_part_of_mesh():
         return local_tensor
+    if composed.is_composed(src) or composed.is_composed(dst):  # fsdp over tensor parallelism
+        return composed.redistribute(local_tensor, current_spec, target_spec)
     shape = tuple(current_spec.shape)
     dim = _ragged_mesh_dim(src, dst)
     if dst[dim].is_replicate() or dst[dim].is_partial():

@@ -36,6 +36,7 @@ from torch.distributed.tensor.placement_types import (
     _StridedShard,
 )
 
+from ragged_dtensor import composed
 from ragged_dtensor.identities import reduction_identity
 from ragged_dtensor.op_routing import Route, add_routes, has_ragged_arg
 from ragged_dtensor.placement import RaggedShard, is_ragged
@@ -122,7 +123,7 @@ def _partial_placements(
     if another mesh dim has no local rule."""
     out: list[Placement] = []
     for p in x.placements:
-        if isinstance(p, RaggedShard):
+        if isinstance(p, RaggedShard) or composed.is_tp_shard(p):  # disjoint pieces
             out.append(partial)
         elif isinstance(p, Replicate) or (linear and is_linear_partial(p)):
             out.append(p)

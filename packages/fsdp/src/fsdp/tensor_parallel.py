@@ -1,0 +1,192 @@
+"""fsdp over tensor parallelism: parameters that are already DTensors on a TP mesh.
+
+``parallelize_module(model, world["tp"], plan)`` first, then ``fully_shard(block,
+mesh=world["dp"])``, as with FSDP2. fsdp then stores each parameter's *TP-local* tensor (what
+TP left on this rank) in its DBuffers and runs its collectives on the data-parallel mesh only:
+
+* planning sees the TP-local shapes, so units (rows of the TP-local tensor by default) never
+  cut a TP shard's structure: a ``Shard(1)`` column block stays whole;
+* the sharded parameter is a DTensor on the combined mesh (dp dims, then TP dims) with
+  placements ``(RaggedShard, *tp_placements)`` (HSDP: ``(Replicate(), RaggedShard, *tp)``),
+  its local tensor the DBuffer's view; the RaggedShard cuts the TP-local tensor (see
+  :mod:`ragged_dtensor.composed` for that order and where it matches FSDP2's
+  ``_StridedShard``), so ``full_tensor()`` and ``redistribute()`` give the right values;
+* forward gives each module its unsharded TP-local tensor (a view of the unsharded buffer)
+  wrapped in the original TP spec, so ``parallelize_module``'s plans run unchanged;
+* backward's gradient buffer is armed as a TP DTensor over the gradient buffer's view:
+  autograd adds each gradient into it in place, after DTensor has turned a pending
+  (``Partial``) gradient of a TP-replicated parameter into the parameter's placement (one
+  all-reduce over TP, as in FSDP2), and the buffer is reduce-scattered over dp only.
+
+Supported TP placements are ``Shard(d)`` with ``d`` divisible by the TP size, and
+``Replicate()``; anything else raises ``NotImplementedError`` naming the parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from dbuffer import DBuffer
+from ragged_dtensor.composed import ragged_shape
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement
+
+from fsdp.managed_param import ManagedParam
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """Where a tensor-parallel parameter lives besides fsdp's data-parallel mesh.
+
+    Attributes:
+        tp_mesh: the parameter's own (TP) mesh.
+        tp_placements: its placements on ``tp_mesh``.
+        shape: the global shape.
+        stride: the global stride.
+        local_shape: the TP-local shape (what fsdp plans and stores).
+        mesh: the combined mesh: the dp mesh's dims, then the TP mesh's.
+    """
+
+    tp_mesh: DeviceMesh
+    tp_placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    mesh: DeviceMesh
+
+    def tp_dtensor(self, local: torch.Tensor) -> DTensor:
+        """``local`` (a TP-local tensor, e.g. a view of an unsharded buffer) as the TP DTensor
+        it is a piece of, holding ``local`` itself (no alias)."""
+        meta = TensorMeta(self.shape, self.stride, local.dtype)
+        return DTensor(local, DTensorSpec(self.tp_mesh, self.tp_placements, tensor_meta=meta),
+                       requires_grad=False)
+
+    def sharded_dtensor(self, local: torch.Tensor, dp_placements: Sequence[Placement]) -> DTensor:
+        """``local`` (this rank's ragged run of the TP-local tensor) as a DTensor on the
+        combined mesh with placements ``(*dp_placements, *tp_placements)``."""
+        meta = TensorMeta(self.shape, self.stride, local.dtype)
+        spec = DTensorSpec(self.mesh, (*dp_placements, *self.tp_placements), tensor_meta=meta)
+        return DTensor(local, spec, requires_grad=False)
+
+    def tp_local(self, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient autograd produced for the unsharded parameter, as a TP-local tensor in
+        the parameter's TP placements (a pending ``Partial`` is reduced over TP)."""
+        if not isinstance(grad, DTensor):
+            raise TypeError(f"fsdp: expected a DTensor gradient for a tensor-parallel parameter "
+                            f"of shape {tuple(self.shape)}, got {type(grad).__name__}")
+        if grad.placements != self.tp_placements:
+            grad = grad.redistribute(self.tp_mesh, self.tp_placements)
+        return grad.to_local()
+
+
+def stored_tensor(param: torch.Tensor) -> torch.Tensor:
+    """What fsdp stores of ``param``: its TP-local tensor for a DTensor, else ``param``."""
+    return param.to_local().detach() if isinstance(param, DTensor) else param
+
+
+def plan_layout(name: str, param: DTensor, dp_mesh: DeviceMesh) -> TPLayout:
+    """Check that fsdp can shard ``param`` over ``dp_mesh`` and say how.
+
+    Args:
+        name: the parameter's name in its group (for errors).
+        param: a DTensor parameter (already placed by tensor parallelism).
+        dp_mesh: the mesh ``fully_shard`` was given.
+
+    Returns:
+        The parameter's layout.
+
+    Raises:
+        ValueError: when the meshes do not belong to one world or share a dim.
+        NotImplementedError: for TP placements other than even ``Shard(d)`` and ``Replicate``.
+    """
+    tp_mesh = param.device_mesh
+    dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
+    if dp_names is None or tp_names is None:
+        raise ValueError(
+            f"fully_shard: parameter {name!r} is a DTensor on mesh {tp_mesh}; composing with "
+            "tensor parallelism needs named meshes sliced from one world mesh (e.g. "
+            "world['dp'] and world['tp'])")
+    root = dp_mesh._get_root_mesh()
+    if tp_mesh._get_root_mesh() is not root:
+        raise ValueError(f"fully_shard: parameter {name!r} lives on {tp_mesh}, which is not "
+                         f"sliced from the same world mesh as fsdp's mesh {dp_mesh}")
+    if set(dp_names) & set(tp_names):
+        raise ValueError(f"fully_shard: parameter {name!r}'s mesh dims {tp_names} overlap "
+                         f"fsdp's mesh dims {dp_names}")
+    for p in param.placements:
+        if type(p) not in (Shard, Replicate):
+            raise NotImplementedError(
+                f"fully_shard: parameter {name!r} has placements {param.placements}; fsdp "
+                "composes with Shard(d) and Replicate() tensor-parallel placements only")
+    local_shape = ragged_shape(tp_mesh, param.placements, tuple(param.shape))
+    if tuple(param._local_tensor.shape) != local_shape:
+        raise ValueError(f"fully_shard: parameter {name!r} has a local tensor of shape "
+                         f"{tuple(param._local_tensor.shape)}, but {param.placements} of shape "
+                         f"{tuple(param.shape)} give {local_shape}")
+    return TPLayout(tp_mesh, tuple(param.placements), param.shape, tuple(param.stride()),
+                    local_shape, root[(*dp_names, *tp_names)])
+
+
+def plan_layouts(named_params: Sequence[tuple[str, nn.Parameter]],
+                 dp_mesh: DeviceMesh) -> dict[str, TPLayout]:
+    """:func:`plan_layout` for every DTensor among ``named_params``, by name."""
+    return {name: plan_layout(name, param, dp_mesh)
+            for name, param in named_params if isinstance(param, DTensor)}
+
+
+def sharded_parameter(buffer: DBuffer, name: str, layout: TPLayout,
+                      requires_grad: bool) -> nn.Parameter:
+    """The registered sharded parameter of a TP parameter: a DTensor on the combined mesh
+    whose local tensor is the buffer's own view (optimizer steps write into the buffer)."""
+    local = buffer.local_view(name)
+    dp_placements = buffer.sharded_param(name).placements
+    param = nn.Parameter(layout.sharded_dtensor(local, dp_placements), requires_grad=requires_grad)
+    param._local_tensor = local
+    return param
+
+
+@dataclass(eq=False)
+class TPManagedParam(ManagedParam):
+    """A :class:`~fsdp.managed_param.ManagedParam` whose parameter is tensor-parallel: the
+    unsharded parameter and its gradient are DTensors in the parameter's TP spec, and the
+    sharded gradient one in the combined spec, over the same DBuffer views."""
+
+    layout: TPLayout | None = None
+
+    @property
+    def _layout(self) -> TPLayout:
+        assert self.layout is not None
+        return self.layout
+
+    def _as_param_tensor(self, view: torch.Tensor) -> torch.Tensor:
+        return self._layout.tp_dtensor(view)
+
+    def _local(self, grad: torch.Tensor) -> torch.Tensor:
+        return self._layout.tp_local(grad)
+
+    def adopt(self, value: torch.Tensor) -> None:
+        """Take in an assigned value placed like the sharded parameter; any other value
+        would need the TP cut too, which is not supported (raises rather than copying the
+        wrong rows)."""
+        if isinstance(value, DTensor) and value.placements == self.sharded.placements:
+            super().adopt(value)
+            return
+        raise NotImplementedError(
+            f"parameter {self.name!r} is tensor-parallel: a value assigned after fully_shard "
+            f"must be a DTensor placed like the sharded parameter ({self.sharded.placements}); "
+            "assign before fully_shard, or copy into the parameter instead")
+
+    def sharded_on(self, buffer: DBuffer) -> nn.Parameter:
+        """A new combined-mesh sharded parameter over ``buffer`` (after ``model.to(dtype)``)."""
+        return sharded_parameter(buffer, self.name, self._layout, self.sharded.requires_grad)
+
+    def sharded_grad(self) -> DTensor:
+        """The reduced gradient: the sharded gradient buffer's view on the combined mesh."""
+        dp_placements = self.sharded.placements[:-len(self._layout.tp_placements)]
+        return self._layout.sharded_dtensor(self.buffer.sharded_grad_view(self.name),
+                                            dp_placements)

@@ -1,0 +1,200 @@
+"""The tensor-parallel parity model and loop: fsdp and FSDP2 over TP, and one process.
+
+A small Llama-like decoder with odd sizes (hidden 22, 2 heads of 11, SwiGLU width 46 and
+vocab 50, whose TP halves 23 and 25 split into uneven whole rows over 2 dp ranks), laid out
+with torchtitan's TP plan: embedding ``RowwiseParallel`` (output sequence-sharded),
+``SequenceParallel`` RMSNorms, attention q/k/v and SwiGLU gate/up ``ColwiseParallel``, their
+output projections ``RowwiseParallel`` back to sequence-sharded, head ``ColwiseParallel`` to
+replicated logits. :func:`train` runs the same code for all three: ``impl=None`` on one
+process and the whole batch; ``"torch"``/``"fsdp"`` on a ``(dp, tp)`` mesh, each dp rank its
+slice of the batch (the tp ranks of one dp rank share it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, HIDDEN, FFN, HEADS, LAYERS, SEQ = 50, 22, 46, 2, 2, 10
+SEED = 0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt() * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(3))
+        self.wo = nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s = x.shape[:2]
+        # -1 heads: under TP each rank holds HEADS / tp of them
+        q, k, v = (w(x).view(b, s, -1, HIDDEN // HEADS).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(HIDDEN, FFN, bias=False)
+        self.w_up = nn.Linear(HIDDEN, FFN, bias=False)
+        self.w_down = nn.Linear(FFN, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(HIDDEN), Attention()
+        self.mlp_norm, self.mlp = RMSNorm(HIDDEN), SwiGLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = RMSNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def build_model() -> Decoder:
+    """The same initial weights in every run."""
+    torch.manual_seed(SEED)
+    return Decoder()
+
+
+def parallelize(model: Decoder, tp_mesh: Any) -> None:
+    """torchtitan's Llama TP plan, sequence parallel between the blocks' matmuls."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, tp_mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "attn_norm": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attn.wq": ColwiseParallel(),
+            "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp_norm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.w_gate": ColwiseParallel(),
+            "mlp.w_up": ColwiseParallel(),
+            "mlp.w_down": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+@dataclass(frozen=True)
+class TPRunSpec:
+    """One training run: ``steps`` AdamW steps with ``clip_grad_norm_(max_norm=clip)``."""
+
+    steps: int = 10
+    global_batch: int = 8
+    dp: int = 2
+    tp: int = 2
+    lr: float = 1e-2
+    clip: float = 0.5
+
+
+def batches(spec: TPRunSpec) -> torch.Tensor:
+    """``(steps, global_batch, SEQ + 1)`` tokens, the same in every run."""
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randint(0, VOCAB, (spec.steps, spec.global_batch, SEQ + 1), generator=generator)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach()
+    return (t.full_tensor() if isinstance(t, DTensor) else t).clone()
+
+
+def train(spec: TPRunSpec, impl: str | None) -> dict[str, Any]:
+    """Train and report losses (the global-batch mean), clip norms and full parameters."""
+    model = build_model()
+    data = batches(spec)
+    if impl is not None:
+        from tests.harness import device_mesh
+
+        world = device_mesh(spec.dp, spec.tp, names=("dp", "tp"))
+        fully_shard = importlib.import_module(
+            "torch.distributed.fsdp" if impl == "torch" else "fsdp").fully_shard
+        parallelize(model, world["tp"])
+        for block in model.layers:
+            fully_shard(block, mesh=world["dp"])
+        fully_shard(model, mesh=world["dp"])
+        per_rank = spec.global_batch // spec.dp
+        dp_rank = world["dp"].get_local_rank()
+        data = data[:, dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
+    losses, norms = [], []
+    for step in range(spec.steps):
+        tokens = data[step]
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        if impl is not None:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=world["dp"].get_group())
+            loss /= spec.dp
+        losses.append(loss.item())
+        norms.append(_full(norm).item())
+    params = {name: _full(p) for name, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "params": params,
+            "placements": {name: str(getattr(p, "placements", None))
+                           for name, p in model.named_parameters()}}
+
+
+def max_param_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """The largest element-wise difference over all parameters (same names required)."""
+    assert got.keys() == ref.keys()
+    return max((got[n] - ref[n]).abs().max().item() for n in ref)
+
+
+def max_error(got: list[float], ref: list[float]) -> float:
+    """The largest difference between two equally long lists of floats."""
+    assert len(got) == len(ref)
+    return max(abs(a - b) for a, b in zip(got, ref))
