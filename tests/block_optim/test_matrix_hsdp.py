@@ -166,10 +166,11 @@ def two_sharded_dims_case(optimizer: str) -> str:
     from tests.harness import device_mesh
 
     mesh = device_mesh(REPLICAS, SHARDS)
-    placements = [Shard(0), RaggedShard((0,), (2, 2))]
+    # fsdp over a tensor-parallel Shard(0): each (2, 4) TP piece cut into runs of 4 elements
+    placements = [Shard(0), RaggedShard((0,), (1, 1))]
     # (not an nn.Parameter: ragged-dtensor refuses to alias such a run, even by detach)
-    param = from_local_run(torch.zeros(8), mesh, placements, (4, 4))
-    param.grad = from_local_run(torch.ones(8), mesh, placements, (4, 4))
+    param = from_local_run(torch.zeros(4), mesh, placements, (4, 4))
+    param.grad = from_local_run(torch.ones(4), mesh, placements, (4, 4))
     with pytest.raises(NotImplementedError) as info:
         OPTIMIZERS[optimizer]([("w2d", param)]).step()
     return str(info.value)
