@@ -14,8 +14,9 @@ other tensors' runs in, so the modules see the usual unsharded views, equal bit 
 :func:`dbuffer.blockwise_fp8.fake_quantize_blockwise` of the whole master tensor.
 
 Quantized once per change of the master: the packed local segment is cached with the
-autograd version of the sharded buffer (bumped by every in-place write through any of its
-views: optimizer steps, ``load_state_dict``, user edits), so a backward re-gather, the
+autograd versions of the sharded buffer and of its sharded DTensors
+(:meth:`QuantizedGather.master_version`; bumped by every in-place write: optimizer steps,
+``load_state_dict``, user edits), so a backward re-gather, the
 micro-steps of gradient accumulation and an explicit unshard reuse it and issue no
 quantization launch (:attr:`QuantizedGather.quantize_passes` counts them).
 """
@@ -158,13 +159,29 @@ class QuantizedGather:
         self._plain = tuple(PlainRun(r * shard + p.values_offset, p.numel, r * seg + p.byte_offset)
                             for r, layout in enumerate(layouts) for p in layout.plain)
         self._segment: torch.Tensor | None = None
-        self._version: int | None = None
+        self._version: tuple[int, ...] | None = None
         self.quantize_passes = 0
 
     @property
     def wire_bytes(self) -> int:
         """Bytes each all-gather delivers to every rank (``world_size`` segments)."""
         return self.buffer.world_size * self.segment_bytes
+
+    def master_version(self) -> tuple[int, ...]:
+        """The autograd versions of the sharded buffer and of each sharded DTensor over it.
+
+        Writes through views of the flat buffer (fused optimizer steps, ``local_view``)
+        bump the first; in-place ops on a sharded DTensor parameter (``torch.optim`` steps,
+        ``load_state_dict``) run on its local tensor below autograd, so they bump only the
+        DTensor's own counter (shared with the ``nn.Parameter`` made from it by
+        ``detach``), hence one entry per tensor.
+
+        Returns:
+            A tuple that changes whenever the master copy may have changed.
+        """
+        buffer = self.buffer
+        return (buffer.sharded_buffer._version,
+                *(buffer.sharded_param(name)._version for name in buffer.names))
 
     def invalidate(self) -> None:
         """Forget the cached segment: the next gather quantizes again (for writes to the
@@ -180,7 +197,8 @@ class QuantizedGather:
             ``segment_bytes`` uint8.
         """
         sharded = self.buffer.sharded_buffer
-        if self._segment is not None and self._version == sharded._version:
+        version = self.master_version()
+        if self._segment is not None and self._version == version:
             return self._segment
         if self._segment is None:
             self._segment = torch.zeros(self.segment_bytes, dtype=torch.uint8,
@@ -193,7 +211,7 @@ class QuantizedGather:
                 kernels.copy_cast_(piece.view(dtype), sharded.narrow(0, run.values_offset,
                                                                      run.numel))
         self.quantize_passes += 1
-        self._version = sharded._version
+        self._version = version
         return self._segment
 
     def all_gather(self, async_op: bool = False) -> CollectiveHandle | None:

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from fsdp.buffers import make_buffer, sharded_parameter
+from fsdp.fp8 import GroupQuantizer
 
 
 class TrainingState(enum.Enum):
@@ -158,6 +159,7 @@ class FSDPParamGroup:
         self.is_unsharded = False
         self.backward_armed = False
         self._gathers: list[CollectiveHandle] | None = None
+        self.quantizer: GroupQuantizer | None = None  # FP8 all-gather (fsdp.fp8)
         self.post_forward_indices: list[int] = []
         self._uninitialised: dict[int, int] = {}
         # state_dict() and load_state_dict() must see the sharded parameters (a root keeps
@@ -231,7 +233,10 @@ class FSDPParamGroup:
         if not self.config.unshard_in_backward and self.training_state == TrainingState.PRE_BACKWARD:
             return
         with record_function(f"FSDP::all_gather ({self.label})"):
-            self._gathers = [b.all_gather(async_op=True) for b in self.buffers]
+            if self.quantizer is not None:
+                self._gathers = [self.quantizer.all_gather(b) for b in self.buffers]
+            else:
+                self._gathers = [b.all_gather(async_op=True) for b in self.buffers]
         if not async_op:
             self.wait_for_unshard()
 
