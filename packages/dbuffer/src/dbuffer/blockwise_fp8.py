@@ -166,10 +166,16 @@ def tile_scale(amax: torch.Tensor, fmt: BlockwiseFormat) -> torch.Tensor:
     return scale.float()
 
 
-def _expand(per_tile: torch.Tensor, shape: torch.Size, block: int) -> torch.Tensor:
-    """Repeat one value per tile over the tile's elements, cropped to ``shape``."""
-    full = per_tile.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
-    return full[..., : shape[-2], : shape[-1]]
+def _times_tiles(x: torch.Tensor, per_tile: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` (fp32) times its tile's value, element by element (one fp32 multiply each).
+
+    The per-tile values are repeated over rows only (a small tensor); over columns they
+    broadcast when ``block`` divides the width, else they are repeated too."""
+    *lead, rows, cols = x.shape
+    per_row = per_tile.repeat_interleave(block, dim=-2)[..., :rows, :]
+    if cols % block == 0:
+        return (x.reshape(*lead, rows, cols // block, block) * per_row.unsqueeze(-1)).view(x.shape)
+    return x * per_row.repeat_interleave(block, dim=-1)[..., :cols]
 
 
 def quantize_blockwise(x: torch.Tensor, fmt: BlockwiseFormat = BlockwiseFormat()
@@ -193,7 +199,7 @@ def quantize_blockwise(x: torch.Tensor, fmt: BlockwiseFormat = BlockwiseFormat()
     """
     fmt.check()
     scale = tile_scale(tile_amax(x, fmt.block), fmt)
-    q = (x.float() * _expand(scale, x.shape, fmt.block)).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype)
+    q = _times_tiles(x.float(), scale, fmt.block).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype)
     return q, scale.reciprocal()
 
 
@@ -214,7 +220,7 @@ def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 
     if tuple(scale_inv.shape) != scale_shape(q.shape, block):
         raise ValueError(f"scale_inv has shape {tuple(scale_inv.shape)}, expected "
                          f"{scale_shape(q.shape, block)} for values of shape {tuple(q.shape)}")
-    return (q.float() * _expand(scale_inv.float(), q.shape, block)).to(dtype)
+    return _times_tiles(q.float(), scale_inv.float(), block).to(dtype)
 
 
 def fake_quantize_blockwise(x: torch.Tensor, fmt: BlockwiseFormat = BlockwiseFormat(),
