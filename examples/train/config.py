@@ -37,6 +37,8 @@ class TrainConfig:
         weight_decay: decoupled weight decay.
         clip: gradient-norm clipping (0 disables it).
         mixed_precision: ``fp32`` or ``bf16`` (bf16 compute, fp32 gradient reduction).
+        fp8: all-gather the blocks' Linear weights as block-wise FP8 (128x128 tiles,
+            ``fsdp.BlockwiseFP8``); the modules compute with the dequantized weights.
         data: a text file or a directory of text files (default: the standard library).
         max_bytes: bytes of the corpus to read at most.
         val_fraction: the held-out tail of the corpus.
@@ -67,6 +69,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     clip: float = 1.0
     mixed_precision: str = "fp32"
+    fp8: bool = False
     data: str | None = None
     max_bytes: int = 4_000_000
     val_fraction: float = 0.05

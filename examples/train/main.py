@@ -92,7 +92,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     mesh = init_device_mesh(dev.type, (world,))
     param_dtype = torch.bfloat16 if config.mixed_precision == "bf16" else None
-    parallelize(model, mesh, unit_policy(config.optimizer), param_dtype)
+    parallelize(model, mesh, unit_policy(config.optimizer), param_dtype, fp8=config.fp8)
     optimizer = build_optimizer(config.optimizer, model, config.lr, config.weight_decay)
     base_lrs = [{k: g[k] for k in LR_KEYS if k in g} for g in optimizer.param_groups]
 
@@ -111,7 +111,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
         source = config.data or "the Python standard library's *.py files"
         print(f"fsdp main job: {world} ranks ({dist.get_backend()}, {dev.type}), "
               f"{n_params / 1e6:.2f}M-parameter decoder ({config.n_layers} blocks, dim {config.dim}), "
-              f"optimizer {config.optimizer}, {config.mixed_precision}\n"
+              f"optimizer {config.optimizer}, {config.mixed_precision}"
+              f"{', FP8 all-gather' if config.fp8 else ''}\n"
               f"data: {len(data.train) / 1e6:.1f} MB train / {len(data.val) / 1e6:.2f} MB held out "
               f"from {source}" + (f"\nresumed at step {start}" if config.resume else ""),
               flush=True)

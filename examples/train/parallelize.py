@@ -19,7 +19,7 @@ import fsdp
 
 def parallelize(model: nn.Module, mesh: DeviceMesh,
                 unit_policy: Callable[[str, torch.Tensor], int] | None,
-                param_dtype: torch.dtype | None) -> nn.Module:
+                param_dtype: torch.dtype | None, *, fp8: bool = False) -> nn.Module:
     """Shard ``model`` (anything with a ``layers`` list of blocks) over ``mesh``.
 
     Args:
@@ -28,11 +28,15 @@ def parallelize(model: nn.Module, mesh: DeviceMesh,
         unit_policy: the optimizer's unit policy, or ``None`` for rows.
         param_dtype: the compute dtype (e.g. ``torch.bfloat16``; gradients are still reduced
             in fp32), or ``None`` for full precision.
+        fp8: all-gather each block's Linear weights as block-wise FP8
+            (:class:`fsdp.BlockwiseFP8`); the root (embedding, head) stays in ``param_dtype``.
 
     Returns:
         ``model``, now an ``FSDPModule``.
     """
     mp_policy = fsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    quantize = fsdp.BlockwiseFP8() if fp8 else None
     for block in model.layers:
-        fsdp.fully_shard(block, mesh=mesh, mp_policy=mp_policy, unit_policy=unit_policy)
+        fsdp.fully_shard(block, mesh=mesh, mp_policy=mp_policy, unit_policy=unit_policy,
+                         quantize_all_gather=quantize)
     return fsdp.fully_shard(model, mesh=mesh, mp_policy=mp_policy, unit_policy=unit_policy)

@@ -26,7 +26,8 @@ WATCHED = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor
 
 @dataclass(frozen=True)
 class Call:
-    """One top-level collective: its name, the tensors' data pointers and sizes."""
+    """One top-level collective: its name, the tensors' data pointers and sizes (the
+    output's also in bytes)."""
 
     name: str
     output: int | None
@@ -34,6 +35,7 @@ class Call:
     output_numel: int
     input_numel: int
     async_op: bool
+    output_bytes: int = 0
 
 
 def _tensor(value: Any) -> torch.Tensor | None:
@@ -59,7 +61,8 @@ def record_collectives() -> Iterator[list[Call]]:
                                 None if second is None else second.data_ptr(),
                                 0 if first is None else first.numel(),
                                 0 if second is None else second.numel(),
-                                bool(kwargs.get("async_op", False))))
+                                bool(kwargs.get("async_op", False)),
+                                0 if first is None else first.numel() * first.element_size()))
             depth[0] += 1
             try:
                 return original(*args, **kwargs)

@@ -60,6 +60,14 @@ def test_bf16_runs_two_steps(ranks, tmp_path: Path) -> None:
     assert len(losses) == 2 and all(4.0 < loss < 7.0 for loss in losses), losses
 
 
+def test_fp8_all_gather_runs_two_steps(ranks, tmp_path: Path) -> None:
+    config = parse_args(["--fp8", "--mixed-precision", "bf16", "--steps", "2"])
+    assert config.fp8
+    config = tiny(tmp_path, mixed_precision="bf16", fp8=True, steps=2, val_every=2, sample_bytes=0)
+    losses = [loss for _, loss in ranks.run(2, train, config, timeout=TIMEOUT_S)[0]["history"]["train"]]
+    assert len(losses) == 2 and all(4.0 < loss < 7.0 for loss in losses), losses
+
+
 def test_resume_continues_exactly(ranks, tmp_path: Path) -> None:
     """Resuming at step 3 of 6 gives the uninterrupted run's losses bit for bit (the batches
     depend only on the step; model and optimizer state come back from the checkpoint)."""

@@ -11,6 +11,7 @@ ragged-dtensor's, re-exported: a collective that fails because another rank rais
 hung raises a ``PeerFailureError`` naming that rank.
 """
 
+from fsdp.fp8 import BlockwiseFP8
 from fsdp.fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from fsdp.memory_first import optimizer_in_backward
 from fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnitPolicy, row_unit
@@ -19,6 +20,7 @@ from ragged_dtensor import PeerFailureError, record_failure, set_roll_call_timeo
 from fsdp import checkpoint
 
 __all__ = [
+    "BlockwiseFP8",
     "CPUOffloadPolicy",
     "FSDPModule",
     "MixedPrecisionPolicy",

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
+from fsdp.fp8 import BlockwiseFP8, GroupQuantizer, quantized_units
 from fsdp.policies import UnitPolicy
 from fsdp.sharding import build_group, collect_params, managed_modules, resolve_units, signature
 from fsdp.state import FSDPState, get_state
@@ -47,6 +48,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     unit_policy: UnitPolicy | None = None,
+    quantize_all_gather: BlockwiseFP8 | None = None,
 ) -> FSDPModule | list[FSDPModule]:
     """Shard ``module``'s parameters over ``mesh`` as whole units in one flat buffer.
 
@@ -79,6 +81,9 @@ def fully_shard(
         unit_policy: ``unit_policy(name, param) -> int``, the elements no rank boundary may
             cut (default: one row). Block optimizers give theirs, e.g.
             ``block_optim.Muon.unit_policy()``.
+        quantize_all_gather: :class:`fsdp.BlockwiseFP8` to all-gather the chosen weights
+            as block-wise FP8 (128x128 tiles, one collective, quantized once per step; see
+            :mod:`fsdp.fp8`), or ``None``.
 
     Returns:
         The module (or modules), whose class is now ``FSDP<Cls>``.
@@ -143,6 +148,7 @@ def fully_shard(
                                    set(ignored_params or ()))
         units = resolve_units(collected, unit_policy, shard_placement_fn)
         layouts = plan_layouts([(c.name, c.param) for c in collected], mesh)
+        units, quantized = quantized_units(quantize_all_gather, collected, units)
     except (ValueError, NotImplementedError, TypeError) as caught:
         error = caught
     # One collective per mesh dim: an error found on any rank, or parameters (names, shapes,
@@ -154,6 +160,8 @@ def fully_shard(
         group = build_group(collected, units, mesh, device, mp_policy, labels, layouts)
         if reshard_after_forward is not None:
             group.config.reshard_after_forward = reshard_after_forward
+        if quantized:
+            group.quantizer = GroupQuantizer(quantize_all_gather.format, quantized)
     for _, m in managed_modules(modules, lambda m: get_state(m) is not None):
         _move_buffers(m, device)
     FSDPState(modules, group, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from fsdp.buffers import make_buffer
+from fsdp.fp8 import GroupQuantizer
 from fsdp.managed_param import ManagedParam
 
 
@@ -88,6 +89,7 @@ class FSDPParamGroup:
         self.after_reduce: Callable[[FSDPParamGroup], None] | None = None
         self._gathers: list[CollectiveHandle] | None = None
         self._gathered_versions: list[int] = []
+        self.quantizer: GroupQuantizer | None = None  # FP8 all-gather (fsdp.fp8)
         self.post_forward_indices: list[int] = []
         self._uninitialised: dict[int, int] = {}
         # state_dict() and load_state_dict() must see the sharded parameters (a root keeps
@@ -159,7 +161,10 @@ class FSDPParamGroup:
             return
         with record_function(f"FSDP::all_gather ({self.label})"):
             self._gathered_versions = self._sharded_versions()
-            self._gathers = [b.all_gather(async_op=True) for b in self.buffers]
+            if self.quantizer is not None:
+                self._gathers = [self.quantizer.all_gather(b) for b in self.buffers]
+            else:
+                self._gathers = [b.all_gather(async_op=True) for b in self.buffers]
         if not async_op:
             self.wait_for_unshard()
 
