@@ -142,7 +142,7 @@ def quantize_tiles(src: torch.Tensor, packed: torch.Tensor, table: TileTable,
     """
     scales = _scales(packed)
     with record_function("dbuffer::fp8_quantize"):
-        if _use_triton(src, backend):
+        if _use_triton(backend, src):
             if table.tile_count:
                 _triton().quantize_tiles_kernel[_triton().grid(table.tile_count)](
                     src, packed, scales, table.tiles(src.device), FMAX=fmt.fmax,
@@ -170,7 +170,7 @@ def dequantize_tiles(packed: torch.Tensor, out: torch.Tensor, table: TileTable,
     """
     scales = _scales(packed)
     with record_function("dbuffer::fp8_dequantize"):
-        if _use_triton(out, backend):
+        if _use_triton(backend, out):
             if table.tile_count:
                 bf16 = out.dtype == torch.bfloat16
                 _triton().dequantize_tiles_kernel[_triton().grid(table.tile_count)](

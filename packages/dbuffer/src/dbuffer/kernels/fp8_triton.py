@@ -25,7 +25,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_ROUND = 12582912.0  # 1.5 * 2**23: x + _ROUND - _ROUND rounds |x| < 2**22 to an integer (RNE)
+# 1.5 * 2**23: x + _ROUND - _ROUND rounds |x| < 2**22 to an integer (RNE); a constexpr, as
+# compiled kernels may read only constexpr globals (the interpreter reads any)
+_ROUND = tl.constexpr(12582912.0)
 
 
 @triton.jit
@@ -115,7 +117,11 @@ def dequantize_tiles_kernel(q_ptr, scale_ptr, out_ptr, table_ptr, BLOCK: tl.cons
         top = field == 0x1F
         magnitude = tl.where(top & (mant == 0), float("inf"), magnitude)
         magnitude = tl.where(top & (mant != 0), float("nan"), magnitude)
-    value = tl.where((b & 0x80) != 0, -magnitude, magnitude) * scale_inv
+    # the sign bit set by bit operations: compiled Triton lowers ``-x`` to ``0 - x``, which
+    # turns the FP8 byte 0x80 (-0) into +0, where torch keeps -0
+    signed = (magnitude.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32,
+                                                                            bitcast=True)
+    value = signed * scale_inv
     if OUT_BF16:
         bits = value.to(tl.int32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
