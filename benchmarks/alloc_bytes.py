@@ -186,28 +186,36 @@ class AllocatorTrace:
                         key=lambda e: e[0])
         marker_sizes = set(self._marks.values()) | {t.marker for t in self._tags}
         instants: dict[int, int] = {}
+        marker_ptrs: set[int] = set()
         times, live = [], []
         open_allocs: dict[int, tuple[int, int, tuple[str, ...]]] = {}
         done: list[tuple[int, int, int, int | None, tuple[str, ...]]] = []
-        base = 0
+        base, previous, silent = 0, None, []
         for t, ptr, size, total, scopes in events:
-            if size in marker_sizes and ptr not in open_allocs:
+            if previous is not None:
+                _account_unseen(previous + size - total, t, silent, open_allocs, done)
+            previous = total
+            if size > 0 and size in marker_sizes and size not in instants:
                 instants[size] = t
+                marker_ptrs.add(ptr)
                 if size == self._marks["begin"]:
                     base = total - size
-                open_allocs[ptr] = (t, -size, scopes)  # its free is skipped too
                 continue
             if size > 0:
+                if ptr in open_allocs:  # its free happened on a thread without events
+                    start, nbytes, where = open_allocs.pop(ptr)
+                    done.append((start, ptr, nbytes, t, where))
                 open_allocs[ptr] = (t, size, scopes)
             else:
-                start = open_allocs.pop(ptr, None)
-                if start is not None and start[1] < 0:
+                if ptr in marker_ptrs:
+                    marker_ptrs.discard(ptr)
                     continue
+                start = open_allocs.pop(ptr, None)
                 if start is not None:
                     done.append((start[0], ptr, start[1], t, start[2]))
             times.append(t)
             live.append(total - base)
-        done.extend((s, ptr, n, None, sc) for ptr, (s, n, sc) in open_allocs.items() if n > 0)
+        done.extend((s, ptr, n, None, sc) for ptr, (s, n, sc) in open_allocs.items())
         done.sort(key=lambda d: d[0])
         tags = self._resolve_tags(instants, done)
         allocations = [Allocation(ptr, n, s, e, sc, *tags.get((ptr, s), (None, None)))
@@ -229,6 +237,29 @@ class AllocatorTrace:
                     if s <= when and (e is None or when < e):
                         found.setdefault((ptr, s), (tag.category, tag.group))
         return found
+
+
+def _account_unseen(unseen: int, t_ns: int, silent: list[int],
+                    open_allocs: dict[int, tuple[int, int, tuple[str, ...]]],
+                    done: list[tuple[int, int, int, int | None, tuple[str, ...]]]) -> None:
+    """Account for allocator activity without events between two events (gloo's worker
+    threads have no profiler state: what they allocate or free shows only as a jump of the
+    next event's ``total_allocated``). ``unseen < 0``: bytes allocated silently, kept in
+    ``silent``. ``unseen > 0``: bytes freed silently: a silent allocation of that size if
+    there is one, else the oldest open allocation of exactly that size (a tensor whose last
+    reference died on such a thread, e.g. a collective's input), closed at ``t_ns``. Several
+    silent frees between two events stay unmatched: they show as unattributed bytes."""
+    if unseen < 0:
+        silent.append(-unseen)
+    elif unseen > 0:
+        if unseen in silent:
+            silent.remove(unseen)
+            return
+        matches = [(start, ptr) for ptr, (start, n, _) in open_allocs.items() if n == unseen]
+        if matches:
+            start, ptr = min(matches)
+            _, nbytes, where = open_allocs.pop(ptr)
+            done.append((start, ptr, nbytes, t_ns, where))
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:

@@ -5,7 +5,8 @@ per block, 386 in all), batch 2, so a step's own compute is tiny and the hooks' 
 shows. Each block and the root are wrapped (defaults), ``torch.optim.AdamW``, 2 gloo ranks.
 
 Every entry point through which autograd or ``nn.Module`` calls into a system is wrapped in
-a timer (and a ``hook::<name>`` profiler scope): fsdp's forward pre/post hooks, pre-backward
+a timer (no profiler scope: a scope's own cost would weigh on the side with more hook calls):
+fsdp's forward pre/post hooks, pre-backward
 hook, ``_PostBackward.backward``, per-parameter post-accumulate-grad hook and final callback;
 FSDP2's forward pre/post hooks, pre-backward hook, ``FSDPParamGroup.post_backward`` and final
 callback. A hook's cost is the training thread's CPU time (``time.thread_time_ns``) from entry
@@ -40,7 +41,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from gloo_ranks import run_on_gloo_ranks  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.profiler import record_function  # noqa: E402
 
 RESULTS = _HERE / "results" / "hook_overhead.json"
 SYSTEMS = {"fsdp": "fsdp", "fsdp2": "torch.distributed.fsdp"}
@@ -95,8 +95,7 @@ class HookClock:
             self._depth += 1
             start = time.thread_time_ns()
             try:
-                with record_function(f"hook::{name}"):
-                    return fn(*args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
                 self.ns[name] += time.thread_time_ns() - start
                 self.calls[name] += 1

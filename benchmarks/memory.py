@@ -24,8 +24,8 @@ otherwise by the profiler scope that allocated it (fsdp's flat buffers are alloc
 all-gather output and reduce-scatter buffers inside ``mem::`` scopes of its custom-collective
 hooks; ``FSDP::all_gather_copy_out`` allocates FSDP2's unsharded parameters). What is left is
 split by when it was allocated: during this step's forward (activations) or later
-(temporaries). The rest of the allocator's count (bytes no event of the traced thread shows
-allocated, e.g. gloo's own staging) is reported as unattributed.
+(temporaries). The rest of the allocator's count (bytes allocated on threads without
+profiler events, i.e. gloo's workers) is reported as unattributed.
 
 The CPU time spent in the systems' hooks is ``benchmarks/hook_overhead.py``'s.
 

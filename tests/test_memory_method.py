@@ -113,7 +113,7 @@ ISSUE_15 = "issue 15: fsdp holds more than FSDP2 today"
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=ISSUE_15)
-@pytest.mark.parametrize("phase", ["backward", "between"])
+@pytest.mark.parametrize("phase", PHASES)
 def test_fsdp_phase_at_most_fsdp2(figures: dict[str, Any], phase: str) -> None:
     assert _largest(figures["fsdp"], phase) <= _largest(figures["fsdp2"], phase)
 
@@ -170,3 +170,20 @@ def test_development_page_example_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(BENCHMARKS.parent)  # the page's paths are relative to the repository
     block = next(b for b in python_blocks("development.md") if "AllocatorTrace" in b)
     assert exec_source(block, "development.md")
+
+
+def test_silent_frees_close_the_right_allocation() -> None:
+    """A free on a thread without profiler events shows only as a drop of the allocator's
+    count: it cancels a silent allocation of its size first, else closes the oldest open
+    allocation of exactly that size."""
+    alloc_bytes = _load("alloc_bytes")
+    open_allocs = {1: (10, 64, ("a",)), 2: (20, 64, ("b",)), 3: (30, 8, ("c",))}
+    done: list[Any] = []
+    silent: list[int] = []
+    alloc_bytes._account_unseen(-64, 40, silent, open_allocs, done)  # gloo allocates 64
+    alloc_bytes._account_unseen(64, 50, silent, open_allocs, done)  # ... and frees it
+    assert (silent, done, len(open_allocs)) == ([], [], 3)
+    alloc_bytes._account_unseen(64, 60, silent, open_allocs, done)  # a traced tensor dies there
+    assert done == [(10, 1, 64, 60, ("a",))] and set(open_allocs) == {2, 3}
+    alloc_bytes._account_unseen(5, 70, silent, open_allocs, done)  # no such size: unmatched
+    assert len(done) == 1 and set(open_allocs) == {2, 3}
