@@ -7,6 +7,10 @@ scripts' own JSON goes into ``all.json`` under ``benchmarks`` and every headline
 
 * ``train_step``: fsdp / FSDP2 step time, peak memory and copied bytes, fp32 and bf16, 2 and 4
   ranks, dense and MoE models (``benchmarks/train_step.py``);
+* ``memory``: fsdp / FSDP2 allocator bytes per phase of a step (forward, backward, optimizer
+  step, between steps) and at the peak, per model, precision and world size
+  (``benchmarks/memory.py``); ``hook_overhead``: fsdp / FSDP2 CPU time in hooks per step on a
+  model of many small parameters (``benchmarks/hook_overhead.py``);
 * ``copy_bytes_per_step``: the bytes each system's machinery copies per training step and per
   all-gather + reduce-scatter of one layer (``benchmarks/dbuffer.py``);
 * ``dbuffer_time``, ``muon_step_time``, ``adamw8bit``, ``ragged_redistribute``,
@@ -50,6 +54,7 @@ RESULTS = HERE / "results" / "all.json"
 PADDING_WORLDS = [2**k for k in range(3, 15)]  # 8 .. 16384
 TRAIN_WORLDS = (2, 4)
 MODES = {"fp32": "fp32", "bf16": "bf16_compute_fp32_reduce"}
+MEMORY_PHASES = ("forward", "backward", "optimizer", "between")
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,12 @@ BENCHMARKS: dict[str, list[Job]] = {
             out_flag="--output"),
     ],
     "train_step": _train_jobs(),
+    "memory": [
+        Job("memory", "memory.py", ("--worlds", "2", "4"),
+            ("--models", "small", "--dtypes", "fp32", "--worlds", "2", "--steps", "1")),
+        Job("hook_overhead", "hook_overhead.py", ("--steps", "10"),
+            ("--blocks", "2", "--linears", "4", "--steps", "2", "--warmup", "1")),
+    ],
 }
 
 
@@ -215,6 +226,19 @@ def ratios(results: dict[str, Any], padding: dict[str, Any] | None) -> dict[str,
         rows = results["ragged_handlers"]["rows"]
         out["ragged_handlers"] = {"median_with_over_without": statistics.median(r["ratio"] for r in rows),
                                   "per_op": {f"{r['op']} {r['placement']}": r["ratio"] for r in rows}}
+    if "memory" in results:
+        out["memory"] = {key: {"ratios": entry["ratios_fsdp_over_fsdp2"],
+                               "fsdp_bytes": {p: entry["fsdp"][p]["bytes"] for p in MEMORY_PHASES},
+                               "fsdp2_bytes": {p: entry["fsdp2"][p]["bytes"] for p in MEMORY_PHASES},
+                               **({"difference_bytes": entry["difference_fsdp_minus_fsdp2_bytes"]}
+                                  if "difference_fsdp_minus_fsdp2_bytes" in entry else {})}
+                         for key, entry in results["memory"]["configs"].items()
+                         if "ratios_fsdp_over_fsdp2" in entry}
+    if "hook_overhead" in results:
+        h = results["hook_overhead"]
+        out["hook_overhead"] = {"ratio": h["ratio_fsdp_over_fsdp2"],
+                                "fsdp_ms": h["fsdp"]["hook_cpu_ms_per_step"],
+                                "fsdp2_ms": h["fsdp2"]["hook_cpu_ms_per_step"]}
     if padding is not None:
         out["padding"] = padding
     return out

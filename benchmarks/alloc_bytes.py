@@ -1,0 +1,282 @@
+"""Exact live bytes of the CPU allocator over time, from ``torch.profiler``'s memory events.
+
+RSS follows what glibc keeps, not what tensors hold. c10's CPU allocator can report every
+allocation and free (flag ``FLAGS_caffe2_report_cpu_memory_usage``); with
+``torch.profiler.profile(profile_memory=True)`` open, each allocation event then carries
+``total_allocated``: the allocator's live bytes over all threads at that instant, including
+buffers gloo frees on its worker threads (a running sum of the events' sizes misses those).
+Sorted by time this is the CPU analogue of ``torch.cuda.memory_allocated``.
+
+:class:`AllocatorTrace` opens both around a piece of code (open it before the model is built,
+so every byte the model holds is seen allocated) and gives a :class:`Timeline`:
+
+* :meth:`AllocatorTrace.mark` names an instant: it allocates (and frees at once) a tensor of
+  an odd size used by nothing else, so the instant is found in the same event stream;
+* :meth:`AllocatorTrace.tag` names tensors at an instant: their storages' allocations, live at
+  that instant, get a category (the allocation is found by its address and lifetime, so a
+  tensor tagged once is known for its whole life);
+* :meth:`Timeline.peak` is the largest live byte count between two marks, and
+  :meth:`Timeline.live_at` lists every allocation live at an instant with its size, the
+  profiler scopes and ops that allocated it (``FSDP::...``, ``dbuffer::...``, ``aten::...``)
+  and its tag: the material of a byte breakdown.
+
+Figures are bytes over the trace's start (its ``begin`` mark): the allocator's count also
+holds bytes of earlier traces in the process that were freed while reports were off. Marker
+bytes are subtracted from every figure. When a gloo worker frees a buffer races the
+training thread, so figures of one run can be high by a collective buffer: take the smallest
+over repeated runs or steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import itertools
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+_MARKER_BASE = 6_001
+"""First marker size in bytes: odd, so no tensor of 2-, 4- or 8-byte elements has it."""
+
+
+def report_cpu_memory(enabled: bool) -> None:
+    """Turn c10's per-allocation CPU memory reports on or off (process-wide)."""
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = enabled
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One allocation seen by the profiler.
+
+    Attributes:
+        ptr: its address.
+        nbytes: its size.
+        start_ns: when it was allocated (profiler clock).
+        end_ns: when it was freed, ``None`` if still live when the trace closed.
+        scopes: names of the events enclosing the allocation, outermost first (record_function
+            scopes and aten ops; empty on a thread without Python, e.g. gloo's workers).
+        tag: the category :meth:`AllocatorTrace.tag` gave it, if any.
+        tag_group: the group named with the tag, if any.
+    """
+
+    ptr: int
+    nbytes: int
+    start_ns: int
+    end_ns: int | None
+    scopes: tuple[str, ...]
+    tag: str | None = None
+    tag_group: str | None = None
+
+    def live_at(self, t_ns: int) -> bool:
+        """Whether the allocation holds its bytes at ``t_ns``."""
+        return self.start_ns <= t_ns and (self.end_ns is None or t_ns < self.end_ns)
+
+
+@dataclass
+class Timeline:
+    """Live bytes over time and every allocation of one trace.
+
+    Attributes:
+        times: time of every memory event, sorted (profiler clock, ns).
+        live: the allocator's live bytes right after each event, over the ``begin`` mark's
+            (markers subtracted).
+        allocations: every allocation, in allocation order.
+        marks: instant of every mark by name.
+    """
+
+    times: list[int]
+    live: list[int]
+    allocations: list[Allocation]
+    marks: dict[str, int]
+
+    def bytes_at(self, t_ns: int) -> int:
+        """Live bytes at ``t_ns`` (after every event up to and including it)."""
+        i = bisect.bisect_right(self.times, t_ns) - 1
+        return self.live[i] if i >= 0 else 0
+
+    def peak(self, start: str, end: str) -> tuple[int, int]:
+        """The largest live byte count from mark ``start`` to mark ``end``.
+
+        Returns:
+            ``(bytes, instant)``: the peak and the first event that reached it.
+        """
+        t0, t1 = self.marks[start], self.marks[end]
+        lo = bisect.bisect_right(self.times, t0) - 1
+        hi = bisect.bisect_right(self.times, t1)
+        best, when = self.bytes_at(t0), t0
+        for i in range(max(lo, 0), hi):
+            if self.live[i] > best:
+                best, when = self.live[i], self.times[i]
+        return best, when
+
+    def live_at(self, t_ns: int) -> list[Allocation]:
+        """Every allocation holding bytes at ``t_ns``."""
+        return [a for a in self.allocations if a.live_at(t_ns)]
+
+
+@dataclass
+class _Tag:
+    marker: int
+    category: str
+    group: str | None
+    ptrs: list[int]
+
+
+@dataclass
+class AllocatorTrace:
+    """Record the allocator's live bytes while the ``with`` block runs.
+
+    Example::
+
+        with AllocatorTrace() as trace:
+            model = build()
+            trace.mark("built")
+            ...
+        timeline = trace.timeline()
+    """
+
+    _sizes: Iterator[int] = field(default_factory=lambda: itertools.count(_MARKER_BASE, 2))
+    _marks: dict[str, int] = field(default_factory=dict)
+    _tags: list[_Tag] = field(default_factory=list)
+    _prof: Any = None
+
+    def __enter__(self) -> AllocatorTrace:
+        report_cpu_memory(True)
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        self.mark("begin")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._prof.__exit__(*exc)
+        report_cpu_memory(False)
+
+    def _marker(self) -> int:
+        size = next(self._sizes)
+        torch.empty(size, dtype=torch.uint8)  # allocated and freed at once
+        return size
+
+    def mark(self, name: str) -> None:
+        """Name this instant (the names must be unique within the trace)."""
+        if name in self._marks:
+            raise ValueError(f"mark {name!r} used twice")
+        self._marks[name] = self._marker()
+
+    def tag(self, category: str, tensors: Iterable[torch.Tensor | None],
+            group: str | None = None) -> None:
+        """Give the allocations holding ``tensors``' storages (now) a category.
+
+        Args:
+            category: e.g. ``"optimizer state"``.
+            tensors: plain tensors or DTensors (their local tensors); ``None`` is skipped.
+            group: optionally which FSDP group they belong to.
+        """
+        ptrs = [_storage_ptr(t) for t in tensors if t is not None]
+        self._tags.append(_Tag(self._marker(), category, group, ptrs))
+
+    def timeline(self) -> Timeline:
+        """The trace as a :class:`Timeline` (after the ``with`` block)."""
+        events = sorted(_memory_events(self._prof.profiler.kineto_results.experimental_event_tree()),
+                        key=lambda e: e[0])
+        marker_sizes = set(self._marks.values()) | {t.marker for t in self._tags}
+        instants: dict[int, int] = {}
+        marker_ptrs: set[int] = set()
+        times, live = [], []
+        open_allocs: dict[int, tuple[int, int, tuple[str, ...]]] = {}
+        done: list[tuple[int, int, int, int | None, tuple[str, ...]]] = []
+        base, previous, silent = 0, None, []
+        for t, ptr, size, total, scopes in events:
+            if previous is not None:
+                _account_unseen(previous + size - total, t, silent, open_allocs, done)
+            previous = total
+            if size > 0 and size in marker_sizes and size not in instants:
+                instants[size] = t
+                marker_ptrs.add(ptr)
+                if size == self._marks["begin"]:
+                    base = total - size
+                continue
+            if size > 0:
+                if ptr in open_allocs:  # its free happened on a thread without events
+                    start, nbytes, where = open_allocs.pop(ptr)
+                    done.append((start, ptr, nbytes, t, where))
+                open_allocs[ptr] = (t, size, scopes)
+            else:
+                if ptr in marker_ptrs:
+                    marker_ptrs.discard(ptr)
+                    continue
+                start = open_allocs.pop(ptr, None)
+                if start is not None:
+                    done.append((start[0], ptr, start[1], t, start[2]))
+            times.append(t)
+            live.append(total - base)
+        done.extend((s, ptr, n, None, sc) for ptr, (s, n, sc) in open_allocs.items())
+        done.sort(key=lambda d: d[0])
+        tags = self._resolve_tags(instants, done)
+        allocations = [Allocation(ptr, n, s, e, sc, *tags.get((ptr, s), (None, None)))
+                       for s, ptr, n, e, sc in done]
+        marks = {name: instants[size] for name, size in self._marks.items()}
+        return Timeline(times, live, allocations, marks)
+
+    def _resolve_tags(self, instants: dict[int, int],
+                      done: list[tuple[int, int, int, int | None, tuple[str, ...]]]
+                      ) -> dict[tuple[int, int], tuple[str, str | None]]:
+        by_ptr: dict[int, list[tuple[int, int | None]]] = {}
+        for s, ptr, _, e, _ in done:
+            by_ptr.setdefault(ptr, []).append((s, e))
+        found: dict[tuple[int, int], tuple[str, str | None]] = {}
+        for tag in self._tags:
+            when = instants[tag.marker]
+            for ptr in tag.ptrs:
+                for s, e in by_ptr.get(ptr, ()):
+                    if s <= when and (e is None or when < e):
+                        found.setdefault((ptr, s), (tag.category, tag.group))
+        return found
+
+
+def _account_unseen(unseen: int, t_ns: int, silent: list[int],
+                    open_allocs: dict[int, tuple[int, int, tuple[str, ...]]],
+                    done: list[tuple[int, int, int, int | None, tuple[str, ...]]]) -> None:
+    """Account for allocator activity without events between two events (gloo's worker
+    threads have no profiler state: what they allocate or free shows only as a jump of the
+    next event's ``total_allocated``). ``unseen < 0``: bytes allocated silently, kept in
+    ``silent``. ``unseen > 0``: bytes freed silently: a silent allocation of that size if
+    there is one, else the oldest open allocation of exactly that size (a tensor whose last
+    reference died on such a thread, e.g. a collective's input), closed at ``t_ns``. Several
+    silent frees between two events stay unmatched: they show as unattributed bytes."""
+    if unseen < 0:
+        silent.append(-unseen)
+    elif unseen > 0:
+        if unseen in silent:
+            silent.remove(unseen)
+            return
+        matches = [(start, ptr) for ptr, (start, n, _) in open_allocs.items() if n == unseen]
+        if matches:
+            start, ptr = min(matches)
+            _, nbytes, where = open_allocs.pop(ptr)
+            done.append((start, ptr, nbytes, t_ns, where))
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    """The address of the allocation holding ``tensor`` (a DTensor's local tensor's)."""
+    return getattr(tensor, "_local_tensor", tensor).untyped_storage().data_ptr()
+
+
+def _memory_events(roots: list[Any]) -> Iterator[tuple[int, int, int, int, tuple[str, ...]]]:
+    """``(time, ptr, bytes, total_allocated, enclosing scopes)`` of every allocation event
+    (negative bytes: a free) of the profiler's event tree."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(r, ()) for r in roots]
+    while stack:
+        node, scopes = stack.pop()
+        fields = node.extra_fields
+        if hasattr(fields, "total_allocated"):
+            yield (node.start_time_ns, fields.ptr, fields.alloc_size, fields.total_allocated,
+                   scopes)
+            continue
+        inner = (*scopes, node.name)
+        stack.extend((child, inner) for child in node.children)
