@@ -64,6 +64,10 @@ RESULTS = _HERE / "results" / "memory.json"
 MB = 2**20
 
 SYSTEMS = {"fsdp": "fsdp", "fsdp2": "torch.distributed.fsdp"}
+# fsdp's memory knobs, measured as systems of their own: no prefetch and no reduce-scatter in
+# flight (``set_prefetch(False)``, ``set_reduce_in_flight(False)``), and memory-first mode on
+# top (``fsdp.optimizer_in_backward``: each group stepped as its reduction lands).
+VARIANTS = {"fsdp_no_overlap": "fsdp", "fsdp_memory_first": "fsdp"}
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 MODELS = {
     "llama1024": ModelConfig(layers=4, dim=1024, heads=16, ffn=4096, vocab=1000, seq=16,
@@ -319,6 +323,7 @@ def train_and_trace(system: str, cfg: ModelConfig, compute: torch.dtype | None, 
     global _TRACE
     from torch.distributed.device_mesh import init_device_mesh
 
+    variant, system = system, VARIANTS.get(system, system)
     api = importlib.import_module(SYSTEMS[system])
     mesh = mesh if mesh is not None else init_device_mesh("cpu", (dist.get_world_size(),))
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
@@ -339,10 +344,15 @@ def train_and_trace(system: str, cfg: ModelConfig, compute: torch.dtype | None, 
             else:
                 _fsdp2_scoped_collectives(model)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            if variant in VARIANTS:
+                model.set_prefetch(False)
+                model.set_reduce_in_flight(False)
+            if variant == "fsdp_memory_first":
+                api.optimizer_in_backward(model, optimizer)
             _tag_state(trace, optimizer, "params")
             for i in range(WARMUP_STEPS + steps):
                 _traced_step(trace, i if i >= WARMUP_STEPS else None, model, optimizer,
-                             batches[i], cfg.vocab)
+                             batches[i], cfg.vocab, step=variant != "fsdp_memory_first")
         finally:
             _TRACE = None
     _LABELS.clear()
@@ -350,8 +360,10 @@ def train_and_trace(system: str, cfg: ModelConfig, compute: torch.dtype | None, 
 
 
 def _traced_step(trace: AllocatorTrace, index: int | None, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, tokens: torch.Tensor, vocab: int) -> None:
-    """One AdamW step; a measured step (``index`` not None) marks its phases."""
+                 optimizer: torch.optim.Optimizer, tokens: torch.Tensor, vocab: int,
+                 step: bool = True) -> None:
+    """One AdamW step (``step=False``: the optimizer already stepped inside backward); a
+    measured step (``index`` not None) marks its phases."""
     def mark(name: str) -> None:
         if index is not None:
             trace.mark(f"s{index}:{name}")
@@ -361,9 +373,11 @@ def _traced_step(trace: AllocatorTrace, index: int | None, model: nn.Module,
     mark("forward")
     loss.backward()
     del loss
-    _tag_state(trace, optimizer, "grads")
+    if step:
+        _tag_state(trace, optimizer, "grads")
     mark("backward")
-    optimizer.step()
+    if step:
+        optimizer.step()
     _tag_state(trace, optimizer, "state")
     mark("optimizer")
     optimizer.zero_grad(set_to_none=True)
@@ -432,6 +446,11 @@ def run_config(model: str, dtype: str, world: int, steps: int, with_breakdown: b
         entry["ratios_fsdp_over_fsdp2"] = {
             "peak": ours["peak_bytes"] / theirs["peak_bytes"],
             **{p: ours[p]["bytes"] / theirs[p]["bytes"] for p in PHASES}}
+    for variant in VARIANTS:
+        if variant in entry and "fsdp2" in entry:
+            entry[f"ratios_{variant}_over_fsdp2"] = {
+                "peak": entry[variant]["peak_bytes"] / entry["fsdp2"]["peak_bytes"],
+                **{p: entry[variant][p]["bytes"] / entry["fsdp2"][p]["bytes"] for p in PHASES}}
         if with_breakdown:
             entry["difference_fsdp_minus_fsdp2_bytes"] = {
                 p: {c: ours[p]["breakdown"]["bytes"][c] - theirs[p]["breakdown"]["bytes"][c]
@@ -442,6 +461,10 @@ def run_config(model: str, dtype: str, world: int, steps: int, with_breakdown: b
 def _print_config(key: str, entry: dict[str, Any]) -> None:
     systems = [s for s in SYSTEMS if s in entry]
     print(f"\n== {key}")
+    for variant in VARIANTS:
+        if f"ratios_{variant}_over_fsdp2" in entry:
+            ratios = entry[f"ratios_{variant}_over_fsdp2"]
+            print(f"{variant}/FSDP2: " + ", ".join(f"{p} {r:.2f}" for p, r in ratios.items()))
     print(f"{'phase':10s}" + "".join(f"{s + ' MB':>12s}" for s in systems)
           + ("   fsdp/FSDP2" if len(systems) == 2 else ""))
     for phase in (*PHASES, "peak"):
@@ -476,7 +499,8 @@ def main() -> None:
                         choices=list(MODELS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS),
+                        choices=[*SYSTEMS, *VARIANTS])
     parser.add_argument("--steps", type=int, default=2,
                         help="measured steps after the two warm-up steps (each phase: the "
                         "smallest over them)")

@@ -3,9 +3,14 @@
 ``benchmarks/alloc_bytes.py`` counts the CPU allocator's live bytes from profiler memory
 events. Checked here: it counts known tensors exactly (marks, tags, peaks, a breakdown that
 sums to the count), the same FSDP2 run read twice gives ratio 1.00 in every phase, and
-``benchmarks/memory.py``'s per-phase figures on a small model compare fsdp with FSDP2. The
-fsdp <= FSDP2 bounds fail today (issue 15) and are marked ``xfail(strict=True)``: when a fix
-lands they pass, strict xfail turns that into a failure, and the marks come off.
+``benchmarks/memory.py``'s per-phase figures on a small model compare fsdp with FSDP2: the
+forward peak and the live bytes between steps are at most FSDP2's, and no sharded gradient
+outlives ``zero_grad(set_to_none=True)``. The backward and optimizer-step peaks still exceed
+FSDP2's on CPU (issue 15: the gradient buffer of the group in backward is allocated whole at
+its pre-backward while the previous group's reduce-scatter is in flight; AdamW's foreach
+temporaries follow the largest local tensor, and a ragged rank can hold a whole matrix):
+those bounds are marked ``xfail(strict=True)``, so a fix that meets them turns into a failure
+until the marks come off.
 """
 
 from __future__ import annotations
@@ -109,16 +114,19 @@ def test_fsdp2_frees_gradients_between_steps(figures: dict[str, Any]) -> None:
         assert rank["between"]["breakdown"]["bytes"]["sharded grads"] == 0
 
 
-ISSUE_15 = "issue 15: fsdp holds more than FSDP2 today"
+ISSUE_15 = "issue 15: fsdp's backward and optimizer-step peaks exceed FSDP2's on CPU"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=ISSUE_15)
-@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("phase", [
+    "forward", "between",
+    pytest.param("backward", marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                                     reason=ISSUE_15)),
+    pytest.param("optimizer", marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                                      reason=ISSUE_15))])
 def test_fsdp_phase_at_most_fsdp2(figures: dict[str, Any], phase: str) -> None:
     assert _largest(figures["fsdp"], phase) <= _largest(figures["fsdp2"], phase)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=ISSUE_15)
 def test_fsdp_frees_sharded_grads_after_zero_grad(figures: dict[str, Any]) -> None:
     for rank in figures["fsdp"]:
         assert rank["between"]["breakdown"]["bytes"]["sharded grads"] == 0
