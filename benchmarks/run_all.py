@@ -102,6 +102,9 @@ BENCHMARKS: dict[str, list[Job]] = {
             out_flag="--output"),
     ],
     "train_step": _train_jobs(),
+    "fp8": [Job("fp8_all_gather", "fp8_all_gather.py", ("--iters", "3", "--steps", "2"),
+                ("--world-sizes", "2", "--dim", "256", "--ffn", "704", "--iters", "1",
+                 "--steps", "1", "--model-dim", "128", "--layers", "1"))],
 }
 
 
