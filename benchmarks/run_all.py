@@ -113,6 +113,9 @@ BENCHMARKS: dict[str, list[Job]] = {
         Job("hook_overhead", "hook_overhead.py", ("--steps", "10"),
             ("--blocks", "2", "--linears", "4", "--steps", "2", "--warmup", "1")),
     ],
+    "fp8": [Job("fp8_all_gather", "fp8_all_gather.py", ("--iters", "3", "--steps", "2"),
+                ("--world-sizes", "2", "--dim", "256", "--ffn", "704", "--iters", "1",
+                 "--steps", "1", "--model-dim", "128", "--layers", "1"))],
 }
 
 
