@@ -2,7 +2,8 @@
 sum of every rank's gradients: first-order accumulation in place, ``create_graph=True`` (which
 replaces ``.grad``), a user-assigned ``.grad``, a backward after ``free_grad()``, and explicit
 ``fold_grad`` for parameters DBuffer did not hand out. Also: an empty buffer re-gathers, the
-pre-division scales the gradient buffer in place, and the collectives raise no deprecation
+pre-division scales the gradient buffer in place, ``free_grad=True`` releases the gradient
+buffer as early as the collective allows, and the collectives raise no deprecation
 warning."""
 
 from __future__ import annotations
@@ -153,3 +154,31 @@ def _predivide_and_warnings_case(case: Case) -> None:
 @pytest.mark.parametrize("world_size", (2, 3))
 def test_predivide_scales_in_place_with_single_collectives(ranks, world_size: int) -> None:
     ranks.run(world_size, _predivide_and_warnings_case, Case(zero_unit_plan(world_size), 0))
+
+
+def _free_grad_early_case(p: Plan) -> dict[str, list[bool]]:
+    """``reduce_scatter(free_grad=True)``: with a wider reduce dtype the gradient buffer is
+    released as soon as it is cast (before the collective completes), else when the collective
+    completes; the reduced values are those of the ordinary call."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    held: dict[str, list[bool]] = {}
+    for label, kwargs in (("bf16", {"compute_dtype": torch.bfloat16,
+                                    "reduce_dtype": torch.float32}), ("fp32", {})):
+        buf = DBuffer.from_tensors(full_tensors(p, 0), p, **kwargs)
+        for n in buf.names:
+            buf.grad_view(n).copy_(rank_grads(p, 0, rank)[n])
+        handle = buf.reduce_scatter("sum", async_op=True, free_grad=True)
+        after_issue = buf.has_grad
+        handle.wait()
+        held[label] = [after_issue, buf.has_grad]
+        expected = {n: sum(rank_grads(p, 0, r)[n].to(kwargs.get("compute_dtype", torch.float32))
+                           .float() for r in range(world)) for n in buf.names}
+        for n in buf.names:
+            assert torch.equal(buf.sharded_grad_view(n), local_piece(p, n, rank, expected[n])), n
+    return held
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_reduce_scatter_can_release_the_gradient_buffer_early(ranks, world_size: int) -> None:
+    for held in ranks.run(world_size, _free_grad_early_case, zero_unit_plan(world_size)):
+        assert held == {"bf16": [False, False], "fp32": [True, False]}

@@ -586,7 +586,8 @@ class DBuffer:
             param.grad = self.grad_view(name)
 
     def reduce_scatter(self, op: ReduceOp = "avg", async_op: bool = False, *,
-                       predivide: bool = False) -> CollectiveHandle | None:
+                       predivide: bool = False, free_grad: bool = False
+                       ) -> CollectiveHandle | None:
         """Reduce the unsharded gradients over all ranks into the sharded gradients.
 
         One reduce-scatter over the shard group (then, for HSDP, one all-reduce over the
@@ -608,6 +609,10 @@ class DBuffer:
             async_op: return a handle instead of waiting.
             predivide: divide before the collective (guards low-precision overflow) instead
                 of after it.
+            free_grad: release the unsharded gradient memory (:meth:`free_grad`) as soon as
+                the collective no longer reads it: right after its cast into a wider
+                ``reduce_dtype``, else when the collective completes. Saves one gradient
+                buffer per reduction in flight; the unsharded gradients are gone afterwards.
 
         Returns:
             With ``async_op``, a handle whose ``wait()`` completes everything; else ``None``.
@@ -623,10 +628,10 @@ class DBuffer:
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
         self._check_on_device("reduce_scatter")
         with record_function("dbuffer::reduce_scatter"):
-            return self._reduce_scatter(op, async_op, predivide)
+            return self._reduce_scatter(op, async_op, predivide, free_grad)
 
-    def _reduce_scatter(self, op: ReduceOp, async_op: bool,
-                        predivide: bool) -> CollectiveHandle | None:
+    def _reduce_scatter(self, op: ReduceOp, async_op: bool, predivide: bool,
+                        free_grad: bool) -> CollectiveHandle | None:
         # A rank that wrote no gradient (e.g. its experts got no tokens) contributes zeros:
         # raising here would leave the other ranks waiting in the collective.
         self._fold_replaced_grads()
@@ -648,6 +653,8 @@ class DBuffer:
         else:
             full = torch.empty(grad.tensor.numel(), dtype=self.reduce_dtype, device=self.device)
             kernels.copy_cast_(full, grad.tensor, pre)
+        if free_grad and full is not grad.tensor:
+            self._release_grad()  # the collective reads the reduce-dtype copy or the stash
         accumulate = self._sharded_grad is not None
         if not accumulate:
             self._sharded_grad = torch.empty(self.shard_size, dtype=self.dtype,
@@ -673,6 +680,8 @@ class DBuffer:
                     kernels.copy_cast_(sharded_grad, out, post)
                 if stash is not None:
                     stash.free()
+                if free_grad:
+                    self.free_grad()
 
         if async_op:
             guard = collective_guard("reduce_scatter", self.topology.shard_group)

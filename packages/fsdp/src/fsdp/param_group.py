@@ -281,6 +281,10 @@ class FSDPParamGroup:
             if self.config.reshard_after_backward:
                 self.reshard()
             return False
+        # Reshard first: the unsharded parameters are not needed by the reduction, and the
+        # collective's own staging (gloo clones its input) should not coexist with them.
+        if self.config.reshard_after_backward:
+            self.reshard()
         handles: list[CollectiveHandle] = []
         with record_function(f"FSDP::post_backward_reduce ({self.label})"):
             for buffer in self.trainable_buffers:
@@ -288,10 +292,12 @@ class FSDPParamGroup:
                 if self.config.gradient_divide_factor is not None:
                     kernels.scale_(buffer.grad_buffer, 1.0 / self.config.gradient_divide_factor)
                     op = "sum"
-                handles.append(buffer.reduce_scatter(op, async_op=True))
+                # The unsharded .grad views must not outlive the gradient buffer, which the
+                # reduction may release as soon as it is cast into the reduce dtype.
+                for p in self._params_of(buffer):
+                    p.release_grad(reduced=False)
+                handles.append(buffer.reduce_scatter(op, async_op=True, free_grad=True))
         self._pending = handles
-        if self.config.reshard_after_backward:
-            self.reshard()
         return True
 
     def _stash_grads(self) -> None:
