@@ -18,6 +18,7 @@ class is the only code that decides what that ``.grad`` is:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,8 @@ class ManagedParam:
             unshard and kept, since the buffer keeps its storage across free and re-gather.
         got_grad: whether autograd delivered a gradient since the last reduction (FSDP2
             gives a sharded ``.grad`` only to parameters that got one).
+        on_first_grad: the group's :meth:`~fsdp.param_group.FSDPParamGroup.aim_grads`,
+            called when a gradient of this parameter is computed, before it is accumulated.
     """
 
     name: str
@@ -49,6 +52,7 @@ class ManagedParam:
     sharded: nn.Parameter
     unsharded: nn.Parameter | None = None
     got_grad: bool = False
+    on_first_grad: Callable[[], None] | None = None
 
     @property
     def trainable(self) -> bool:
@@ -68,8 +72,16 @@ class ManagedParam:
             view = self._as_param_tensor(self.buffer.unsharded_view(self.name))
             self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
             if self.trainable:
+                self.unsharded.register_hook(self._before_accumulate)
                 self.unsharded.register_post_accumulate_grad_hook(self._note_grad)
         return self.unsharded
+
+    def _before_accumulate(self, grad: torch.Tensor) -> None:
+        """Runs when the gradient is computed, before autograd accumulates it into ``.grad``:
+        the group's gradient buffer is allocated and aimed at then, not at pre-backward, so
+        it exists only while gradients arrive."""
+        if self.on_first_grad is not None:
+            self.on_first_grad()
 
     def adopt(self, value: torch.Tensor) -> None:
         """Copy this rank's run of ``value`` (a tensor the user assigned in place of the

@@ -87,6 +87,12 @@ class FSDPParamGroup:
         self._pending: list[CollectiveHandle] | None = None
         # Called with the group when its reduction finished (optimizer in backward).
         self.after_reduce: Callable[[FSDPParamGroup], None] | None = None
+        # Called before the group allocates gradient memory (the module state finishes the
+        # reduction in flight there), and whether the .grad views are aimed this backward.
+        self.before_grad_memory: Callable[[], None] | None = None
+        self._grads_aimed = False
+        for p in params:
+            p.on_first_grad = self.aim_grads
         self._gathers: list[CollectiveHandle] | None = None
         self._gathered_versions: list[int] = []
         self.quantizer: GroupQuantizer | None = None  # FP8 all-gather (fsdp.fp8)
@@ -245,17 +251,30 @@ class FSDPParamGroup:
 
     # ------------------------------------------------------------------------ backward
     def pre_backward(self) -> None:
-        """Re-gather when resharded and aim autograd at the gradient buffer."""
+        """Re-gather when resharded. The gradient buffer is allocated later, when the first
+        gradient of the group arrives (:meth:`aim_grads`)."""
         if self.training_state == TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
         self.finish_reduce()
         self.unshard()
         self.wait_for_unshard()
-        if self.is_unsharded:
-            for p in self.params:
-                if p.trainable:
-                    p.aim_grad()
+
+    def aim_grads(self) -> None:
+        """Called when the first gradient of one of the group's parameters is computed,
+        before autograd accumulates it: finish the reduction in flight (so the previous
+        group's gradient buffer is released before this one is allocated; the reduction
+        overlapped the backward up to here) and aim every parameter's ``.grad`` at the
+        gradient buffer, so autograd accumulates in place."""
+        if self._grads_aimed:
+            return
+        self._grads_aimed = True
+        if self.before_grad_memory is not None:
+            self.before_grad_memory()
+        self.finish_reduce()
+        for p in self.params:
+            if p.trainable and p.unsharded is not None:
+                p.aim_grad()
 
     def post_backward(self) -> bool:
         """The group's gradients are complete: reduce-scatter them (asynchronously, finished
@@ -269,6 +288,7 @@ class FSDPParamGroup:
             return False
         self.training_state = TrainingState.POST_BACKWARD
         self.finish_reduce()
+        self._grads_aimed = False
         trainable = [p for p in self.params if p.trainable]
         for p in trainable:
             p.collect_grad()
@@ -397,6 +417,7 @@ class FSDPParamGroup:
             handle.wait()
         self.training_state = TrainingState.IDLE
         self.ran_grad_forward = False
+        self._grads_aimed = False
         self.post_forward_indices.clear()
         self.reshard()
         for p in self.params:

@@ -108,6 +108,8 @@ class FSDPState:
                  mp_policy: MixedPrecisionPolicy, auto_reshard_after_forward: bool) -> None:
         self.modules = modules
         self.group = group
+        if group is not None:
+            group.before_grad_memory = lambda: self.ctx.finish_reduces()
         self.mp_policy = mp_policy
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.is_root: bool | None = None
