@@ -82,6 +82,15 @@ EXCLUSIONS: dict[str, Exclusion] = {
         "placements == (Shard(0),) and to_local() == torch.chunk(param)[rank]"),
     _INIT + "TestFullyShardHSDPBroadcast.test_hsdp_broadcast_across_replicas": Exclusion(
         "every rank's local shard of every parameter is non-empty"),
+    # The grouped model (fully_shard([norm, head])) and the ungrouped one plan different
+    # buffers, so a rank's run of a parameter differs between them; FSDP2's Shard(0) shard
+    # does not depend on the grouping.
+    _TRAINING + "TestFullyShard1DTrainingCompose.test_partial_group_forward_grad_accum_chunked":
+        Exclusion("grouped_p.grad.to_local() == ungrouped_p.grad.to_local() (shard shapes "
+                  "independent of the grouping)"),
+    _TRAINING + "TestFullyShard1DTrainingCompose.test_partial_group_forward_then_standalone":
+        Exclusion("ug_p.grad.to_local() == fsdp_p.grad.to_local() across groupings (shard "
+                  "shapes independent of the grouping)"),
 }
 
 

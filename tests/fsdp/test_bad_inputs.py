@@ -68,6 +68,15 @@ def _forward_method(root: Path) -> None:
     fsdp.register_fsdp_forward_method(_wrapped(), "generate")
 
 
+def _in_backward(module: Callable[[], Any], optimizer: Callable[[Any], Any]) -> Callable[[Path], object]:
+    def call(root: Path) -> object:
+        import fsdp
+
+        model = module()
+        return fsdp.optimizer_in_backward(model, optimizer(model))
+    return call
+
+
 def _ckpt(call: Callable[[Any, Path], object]) -> Callable[[Path], object]:
     def run(root: Path) -> object:
         from fsdp import checkpoint
@@ -110,6 +119,15 @@ CASES: dict[str, tuple[Callable[[Path], object], type[BaseException], str]] = {
     "set_custom_reduce_scatter": (_setter("set_custom_reduce_scatter", None), NotImplementedError,
                                   r"set_custom_reduce_scatter"),
     "register_fsdp_forward_method-unknown": (_forward_method, ValueError, r"has no method 'generate'"),
+    "optimizer_in_backward-plain-module": (_in_backward(_linear, lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
+                                           TypeError, r"Sequential is not a module fully_shard was applied to"),
+    "optimizer_in_backward-not-optimizer": (_in_backward(_wrapped, lambda m: "adam"), TypeError,
+                                            r"optimizer must be a torch.optim.Optimizer, got str"),
+    "optimizer_in_backward-missing-params": (_in_backward(_wrapped, lambda m: torch.optim.SGD(
+        [next(m.parameters())], lr=0.1)), ValueError, r"parameters \['0.bias'\] of .* are not in the optimizer"),
+    "optimizer_in_backward-foreign-params": (_in_backward(_wrapped, lambda m: torch.optim.SGD(
+        [*m.parameters(), torch.nn.Parameter(torch.ones(2))], lr=0.1)), ValueError,
+        r"holds 1 parameter\(s\) that no fully_shard group"),
     "checkpoint.load-path-missing": (_ckpt(lambda c, root: c.load(root / "nope", _wrapped())), FileNotFoundError,
                                      r"nope is neither an fsdp checkpoint"),
     "checkpoint.load-path-a-file": (_ckpt(lambda c, root: c.load(root / "step_000000001" / ".metadata", _wrapped())),

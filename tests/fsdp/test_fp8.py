@@ -129,8 +129,12 @@ def test_forward_and_backward_weights_equal_reference(ranks, world_size: int, ca
     out = ranks.run(world_size, _exactness_case, *case, False, timeout=240)[0]
     # every buffer quantized once in forward; the backward re-gathers quantize nothing
     assert out["passes"][0] == out["passes"][1] == out["buffers"]
-    # forward: one all-gather per buffer; backward: one per resharded buffer, all FP8
-    assert set(out["gathers"]) <= out["wire"] and len(out["gathers"]) >= out["buffers"]
+    # forward: one all-gather per buffer; backward: one per resharded buffer, all FP8 (none
+    # on one rank, where a gather is a local copy, as in FSDP2)
+    if out["shard"] == 1:
+        assert out["gathers"] == []
+    else:
+        assert set(out["gathers"]) <= out["wire"] and len(out["gathers"]) >= out["buffers"]
 
 
 def test_hsdp_2x2(ranks) -> None:

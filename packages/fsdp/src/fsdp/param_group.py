@@ -38,6 +38,12 @@ from fsdp.fp8 import GroupQuantizer
 from fsdp.managed_param import ManagedParam
 
 
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a forward then is a
+    reentrant checkpoint's recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class TrainingState(enum.Enum):
     """Where a group or a module state is within a training step."""
 
@@ -243,7 +249,7 @@ class FSDPParamGroup:
         (backward prefetches in reverse), unless the forward ran inside a backward (a
         reentrant checkpoint's recompute, whose backward follows at once and whose place in
         the order was recorded by the first forward)."""
-        if torch._C._current_graph_task_id() == -1:
+        if not in_backward():
             self.reshard()
             self.post_forward_indices.append(len(order))
             order.append(self)

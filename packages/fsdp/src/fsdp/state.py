@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.utils import _apply_to_tensors
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fsdp.param_group import FSDPParamGroup, TrainingState
+from fsdp.param_group import FSDPParamGroup, TrainingState, in_backward
 
 _STATE_ATTR = "_fsdp_ragged_state"
 
@@ -184,7 +184,7 @@ class FSDPState:
         # A reentrant checkpoint recomputes its forward inside the backward, with no
         # pre-backward hook having fired (its first forward ran without grad): it is part of
         # that backward, not a new iteration, so it neither starts one nor prefetches.
-        recompute = _in_backward()
+        recompute = in_backward()
         if first_in_pass:
             self._lazy_init()
             if self.ctx.iter_forward_root is None and not recompute:
@@ -310,11 +310,6 @@ class FSDPState:
         ctx.post_forward_order.clear()
         ctx.iter_forward_root = None
         ctx.final_callback_queued = False
-
-
-def _in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _prefetch_for_backward(group: FSDPParamGroup) -> None:
