@@ -64,7 +64,7 @@ def test_trace_counts_known_tensors() -> None:
 # ---------------------------------------------------------------- on gloo ranks (2 ranks)
 def _peaks(system: str, bf16: bool, breakdown: bool) -> dict[str, Any]:
     memory = _load("memory")
-    return memory.phase_peaks(system, memory.MODELS["small"], torch.bfloat16 if bf16 else None, steps=2,
+    return memory.phase_peaks(system, memory.MODELS["small"], torch.bfloat16 if bf16 else None, steps=3,
                               with_breakdown=breakdown)
 
 
