@@ -111,12 +111,13 @@ class HookClock:
 def _hook_sites(system: str) -> list[tuple[Any, str, bool]]:
     """(class, attribute, is_staticmethod) of every entry point into ``system``."""
     if system == "fsdp":
-        from fsdp.param_group import ManagedParam
-        from fsdp.state import FSDPState, _PostBackward
+        from fsdp.managed_param import ManagedParam
+        from fsdp.state import FSDPState, StepContext, _PostBackward
 
         return [(FSDPState, "_module_pre_forward", False), (FSDPState, "_module_post_forward", False),
-                (FSDPState, "_pre_backward", False), (FSDPState, "_final_callback", False),
-                (_PostBackward, "backward", True), (ManagedParam, "_on_grad", False)]
+                (FSDPState, "_pre_backward", False), (StepContext, "end_backward", False),
+                (_PostBackward, "backward", True), (ManagedParam, "_before_accumulate", False),
+                (ManagedParam, "_note_grad", False)]
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
