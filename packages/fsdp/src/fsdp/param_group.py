@@ -26,11 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn as nn
 from dbuffer import CollectiveHandle, DBuffer, kernels
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from fsdp.buffers import make_buffer
