@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from layout_planner import Plan, PlanEntry
-from ragged_dtensor import RaggedShard, collective_guard, from_local_run
+from ragged_dtensor import RaggedShard, collective_guard, from_local_run, from_local_run_like
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.profiler import record_function
@@ -726,8 +726,10 @@ class DBuffer:
             The DTensor; the same object until :meth:`free_sharded_grad`.
         """
         if name not in self._sharded_grad_dtensors:
-            self._sharded_grad_dtensors[name] = self._ragged_dtensor(
-                name, self.sharded_grad_view(name))
+            # Built once per reduction per tensor: sharing the parameter's spec keeps that
+            # to one DTensor construction (no placement or spec rebuilt each step).
+            self._sharded_grad_dtensors[name] = from_local_run_like(
+                self.sharded_grad_view(name), self.sharded_param(name))
         return self._sharded_grad_dtensors[name]
 
     @property

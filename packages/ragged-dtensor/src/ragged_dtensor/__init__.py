@@ -8,7 +8,12 @@ failure diagnosis (:mod:`ragged_dtensor.peer_failure`) are the rows of
 ``RaggedShard(...)`` or by :func:`install`.
 """
 
-from ragged_dtensor.api import distribute_tensor, from_local_run, local_shaped
+from ragged_dtensor.api import (
+    distribute_tensor,
+    from_local_run,
+    from_local_run_like,
+    local_shaped,
+)
 from ragged_dtensor.consensus import raise_on_any_rank
 from ragged_dtensor.peer_failure import (
     PeerFailureError,
@@ -27,6 +32,7 @@ __all__ = [
     "collective_guard",
     "distribute_tensor",
     "from_local_run",
+    "from_local_run_like",
     "install",
     "is_ragged",
     "local_shaped",

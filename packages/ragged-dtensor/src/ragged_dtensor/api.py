@@ -155,6 +155,36 @@ def from_local_run(
     return DTensor(local, spec, requires_grad=local.requires_grad)
 
 
+def from_local_run_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """Wrap ``local`` as a DTensor placed exactly like ``like`` (its mesh, placements and
+    global shape), sharing ``like``'s sharding spec: no placement or spec is built and no run
+    is checked beyond its size, so a per-step path (a gradient per parameter per step) costs
+    one DTensor construction, as FSDP2's sharded gradients do. The local tensor is ``local``
+    itself, as with :func:`from_local_run`.
+
+    Args:
+        local: this rank's run, the same size as ``like``'s local tensor (any dtype).
+        like: the DTensor whose placement ``local`` shares (e.g. the parameter of a gradient).
+
+    Returns:
+        The DTensor (a leaf; ``requires_grad`` follows ``local``).
+
+    Raises:
+        ValueError: if ``local``'s shape differs from ``like``'s local tensor.
+    """
+    expected = like._local_tensor.shape
+    if local.shape != expected:
+        raise ValueError(f"from_local_run_like: local of shape {tuple(local.shape)} cannot be "
+                         f"placed like a DTensor whose local tensor has shape {tuple(expected)}")
+    spec = like._spec
+    meta = spec.tensor_meta
+    if meta is None or meta.dtype != local.dtype:
+        shape, stride = like.shape, like.stride()
+        spec = DTensorSpec(spec.mesh, spec.placements,
+                           tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=local.requires_grad)
+
+
 def local_shaped(dtensor: DTensor) -> torch.Tensor:
     """The local tensor, shaped: a RaggedShard run as ``(prefix rows, *shape[k:])``.
 
