@@ -95,7 +95,7 @@ def _bad_inputs() -> dict[str, str]:
     out["shard1"] = _error_of(lambda: fsdp.fully_shard(
         build_model(), mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None))
     out["int_reshard"] = _error_of(lambda: fsdp.fully_shard(build_model(), mesh=mesh,
-                                                            reshard_after_forward=2))
+                                                            reshard_after_forward=3))
     module = fsdp.fully_shard(nn.Linear(4, 4), mesh=mesh)
     out["custom_all_gather"] = _error_of(lambda: module.set_custom_all_gather(None))
     out["empty_param"] = _error_of(lambda: fsdp.fully_shard(nn.Linear(0, 4), mesh=mesh))
@@ -117,7 +117,7 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(ranks):
     assert out["plain_forward_method"] == "True"
     assert out["unit_zero"].startswith("ValueError") and "'pos'" in out["unit_zero"]
     assert "Shard(1)" in out["shard1"] and "unit_policy" in out["shard1"]
-    assert out["int_reshard"].startswith("NotImplementedError")
+    assert out["int_reshard"].startswith("ValueError") and "factor of 2, not 3" in out["int_reshard"]
     assert out["custom_all_gather"].startswith("NotImplementedError")
     assert "'weight'" in out["empty_param"] and "no elements" in out["empty_param"]
 

@@ -25,6 +25,7 @@ import hashlib
 import warnings
 import weakref
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -65,6 +66,17 @@ def _requires_grad_error(requires_grad: object) -> TypeError | None:
         return None
     return TypeError(f"requires_grad must be None or a collection of tensor names (str), got "
                      f"{type(requires_grad).__name__} {requires_grad!r}")
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """This rank's piece of the unsharded buffer kept for a smaller group's all-gather, and
+    the sharded buffer's version it was cut at (a later version makes it stale)."""
+
+    tensor: torch.Tensor
+    group: dist.ProcessGroup
+    sharded_version: int
+
 
 class DBuffer:
     """Sharded and unsharded parameters and gradients of one FSDP group, zero-copy.
@@ -143,6 +155,7 @@ class DBuffer:
                                      "unsharded parameter buffer", allocated=False,
                                      hint="call all_gather() first")
         self._grad: FlatBuffer | None = None
+        self._piece: _Piece | None = None
         # The sharded gradients: a plain tensor DBuffer holds from a reduce-scatter until
         # free_sharded_grad(), with the views and DTensors handed out over it; after that only
         # their holders keep the memory alive (no in-place free, nothing to fence).
@@ -378,18 +391,23 @@ class DBuffer:
         """
         self._check_on_device("all_gather")
         S = self.shard_size
+        piece = self._current_piece()
+        self._piece = None
+        group = self.topology.shard_group if piece is None else piece.group
         self._unsharded.allocate()
         keep_version = torch.autograd._unsafe_preserve_version_counter(self._unsharded.tensor)
         with record_function("dbuffer::all_gather"), self._unsharded.writing() as out:
-            if self.compute_dtype == self.dtype:
+            if piece is not None:
+                shard = piece.tensor
+            elif self.compute_dtype == self.dtype:
                 shard = self._sharded.tensor
             else:
                 shard = out.narrow(0, self.rank * S, S)
                 kernels.copy_cast_(shard, self._sharded.tensor)
-            work = all_gather_into(out, shard, self.topology.shard_group, async_op)
+            work = all_gather_into(out, shard, group, async_op)
         if not async_op:
             return None
-        guard = collective_guard("all_gather", self.topology.shard_group)
+        guard = collective_guard("all_gather", group)
         return CollectiveHandle(work, guard, keep_version=keep_version)
 
     def _check_on_device(self, op: str) -> None:
@@ -424,8 +442,52 @@ class DBuffer:
     def free_unsharded(self) -> None:
         """Release the unsharded parameter memory (storage resized to 0 in place); until the
         next :meth:`all_gather`, using a view handed out earlier raises
-        :class:`~dbuffer.FreedBufferError`."""
+        :class:`~dbuffer.FreedBufferError`. A piece kept by :meth:`reshard_to_group` is
+        dropped too."""
+        self._piece = None
         self._unsharded.free()
+
+    # --------------------------------------------------- resharding to a smaller group
+    def reshard_to_group(self, group: dist.ProcessGroup) -> None:
+        """Free the unsharded buffer but keep this rank's piece of it for ``group``: FSDP2's
+        ``reshard_after_forward=k``. ``group`` is ``k`` ranks of the shard group (e.g. one
+        node); this rank keeps piece ``dist.get_rank(group)`` of the ``k`` equal pieces (one
+        copy of ``W*S/k`` elements), and the next :meth:`all_gather` rebuilds the buffer with
+        a ``k``-rank all-gather of the pieces instead of the ``W``-rank one of the shards,
+        trading memory held between forward and backward for traffic that stays in the
+        group. When the sharded buffer changed since (an optimizer step), the pieces are
+        stale and :meth:`all_gather` gathers the shards instead.
+
+        Args:
+            group: the smaller group; its size divides the unsharded buffer's length.
+
+        Raises:
+            FreedBufferError: when the unsharded buffer is freed (nothing to keep).
+            ValueError: when the group's size does not divide the buffer (the same on
+                every rank of a buffer, so every rank raises).
+        """
+        self._unsharded.check("reshard_to_group", "call all_gather() first")
+        k, numel = dist.get_world_size(group), self._unsharded.tensor.numel()
+        if numel % k:
+            raise ValueError(f"DBuffer.reshard_to_group: a group of {k} ranks cannot hold "
+                             f"equal pieces of the {numel}-element unsharded buffer")
+        n = numel // k
+        start = dist.get_rank(group) * n
+        piece = self._unsharded.tensor.narrow(0, start, n).clone()
+        self._unsharded.free()
+        self._piece = _Piece(piece, group, self._sharded.tensor._version)
+
+    def _current_piece(self) -> _Piece | None:
+        piece = self._piece
+        if piece is None or piece.sharded_version != self._sharded.tensor._version:
+            return None
+        return piece
+
+    @property
+    def piece_numel(self) -> int:
+        """Elements this rank holds for a smaller-group gather (:meth:`reshard_to_group`),
+        0 when it holds none."""
+        return 0 if self._piece is None else self._piece.tensor.numel()
 
     # ------------------------------------------------------------------------ gradients
     def _require_grad_buffer(self) -> FlatBuffer:

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
+from fsdp import post_forward
 from fsdp.fp8 import BlockwiseFP8, GroupQuantizer, quantized_units
 from fsdp.policies import UnitPolicy
 from fsdp.sharding import build_group, collect_params, managed_modules, resolve_units, signature
@@ -68,8 +69,10 @@ def fully_shard(
             DTensors on a tensor-parallel mesh of the same world keep their TP layout (see
             :mod:`fsdp.tensor_parallel`).
         reshard_after_forward: free the unsharded parameters after forward (``True``), keep
-            them (``False``), or ``None``: ``True`` except for the root, decided at the
-            first forward, as FSDP2 does.
+            them (``False``), keep ``1/k`` of them per rank so that backward all-gathers
+            over ``k`` neighbouring ranks only (an int ``k`` dividing the shard dimension,
+            e.g. a node's ranks; see :mod:`fsdp.post_forward`), or ``None``: ``True`` except
+            for the root, decided at the first forward, as FSDP2 does.
         shard_placement_fn: FSDP2's hook; ``None`` and ``Shard(0)`` are accepted (rows),
             ``Shard(d > 0)`` raises pointing to ``unit_policy``.
         mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` (one fused cast per
@@ -91,12 +94,11 @@ def fully_shard(
     Raises:
         ValueError: for a parameter shared with another group, ``fully_shard`` applied
             top-down, a non-positive unit, ``Shard(d > 0)``, a scalar or empty parameter, or a
-            container without ``forward`` (the same facts on every rank, so every rank
-            raises).
+            container without ``forward``, or an int ``reshard_after_forward`` that does not
+            divide the shard dimension (the same facts on every rank, so every rank raises).
         NotImplementedError: for tensor-parallel (DTensor) parameters whose placements fsdp
             cannot compose with (uneven ``Shard(d)``, ``Partial``; see
-            :mod:`fsdp.tensor_parallel`), an ``int`` ``reshard_after_forward``, or CPU
-            offload of a mesh that is not on CPU.
+            :mod:`fsdp.tensor_parallel`), or CPU offload of a mesh that is not on CPU.
         TypeError: for a ``module``, ``mesh``, ``mp_policy`` or ``unit_policy`` of the
             wrong type, naming it.
     """
@@ -114,10 +116,6 @@ def fully_shard(
             raise ValueError(f"fully_shard does not support containers that do not implement "
                              f"forward: {type(m).__name__}; shard its modules, or the module "
                              "that calls them")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            f"reshard_after_forward={reshard_after_forward!r}: resharding to a smaller world "
-            "size after forward (an int) is not supported; pass True, False or None")
     mesh = mesh or _default_mesh()
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
@@ -132,6 +130,7 @@ def fully_shard(
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified "
                              "(as FSDP2 requires), e.g. mesh_dim_names=('replicate', 'shard')")
+    reshard_after_forward = post_forward.resolve(reshard_after_forward, mesh)
     device = _mesh_device(mesh)
     if isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu":
         raise NotImplementedError(
@@ -160,6 +159,8 @@ def fully_shard(
         group = build_group(collected, units, mesh, device, mp_policy, labels, layouts)
         if reshard_after_forward is not None:
             group.config.reshard_after_forward = reshard_after_forward
+        if not isinstance(reshard_after_forward, (bool, type(None))):
+            group.post_forward_group = post_forward.post_forward_group(mesh, reshard_after_forward)
         if quantized:
             group.quantizer = GroupQuantizer(quantize_all_gather.format, quantized)
     for _, m in managed_modules(modules, lambda m: get_state(m) is not None):

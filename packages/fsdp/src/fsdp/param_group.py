@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from dbuffer import CollectiveHandle, DBuffer, kernels
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -55,7 +56,8 @@ class TrainingState(enum.Enum):
 class GroupConfig:
     """The per-group settings ``FSDPModule``'s setters change at run time."""
 
-    reshard_after_forward: bool = True
+    # True, False, or the size k of the group a forward reshards to (FSDP2's int).
+    reshard_after_forward: bool | int = True
     reshard_after_backward: bool = True
     reduce_grads: bool = True
     unshard_in_backward: bool = True
@@ -100,6 +102,8 @@ class FSDPParamGroup:
         self._gathers: list[CollectiveHandle] | None = None
         self._gathered_versions: list[int] = []
         self.quantizer: GroupQuantizer | None = None  # FP8 all-gather (fsdp.fp8)
+        # The k-rank group of an int reshard_after_forward (fsdp.reshard_groups).
+        self.post_forward_group: dist.ProcessGroup | None = None
         self.post_forward_indices: list[int] = []
         self._uninitialised: dict[int, int] = {}
         # state_dict() and load_state_dict() must see the sharded parameters (a root keeps
@@ -171,7 +175,7 @@ class FSDPParamGroup:
             return
         with record_function(f"FSDP::all_gather ({self.label})"):
             self._gathered_versions = self._sharded_versions()
-            if self.quantizer is not None:
+            if self.quantizer is not None and not self.holds_pieces:
                 self._gathers = [self.quantizer.all_gather(b) for b in self.buffers]
             else:
                 self._gathers = [b.all_gather(async_op=True) for b in self.buffers]
@@ -195,16 +199,41 @@ class FSDPParamGroup:
 
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded memory (honouring
-        ``reshard_after_forward`` during forward)."""
-        if self.training_state == TrainingState.FORWARD and not self.config.reshard_after_forward:
-            return
+        ``reshard_after_forward`` during forward: an int keeps each rank's piece for the
+        smaller group's gather in backward)."""
+        if self.training_state == TrainingState.FORWARD:
+            after = self.config.reshard_after_forward
+            if after is False:
+                return
+            if after is not True and self.post_forward_group is not None:
+                self._reshard_to_pieces()
+                return
         self.to_sharded()
+
+    def _reshard_to_pieces(self) -> None:
+        self.wait_for_unshard()
+        if not self.is_unsharded:
+            return
+        assert self.post_forward_group is not None
+        for p in self.params:
+            p.register(p.sharded)
+        for b in self.buffers:
+            b.reshard_to_group(self.post_forward_group)
+        self.is_unsharded = False
+
+    @property
+    def holds_pieces(self) -> bool:
+        """Whether the buffers hold pieces for a smaller group's gather (after a forward
+        with an int ``reshard_after_forward``)."""
+        return any(b.piece_numel for b in self.buffers)
 
     def to_sharded(self) -> None:
         """Reshard now, whatever the step: for ``FSDPModule.reshard()``, state dicts and
         ``_apply``, which must see the sharded parameters."""
         self.wait_for_unshard()
         if not self.is_unsharded:
+            for b in self.buffers:
+                b.free_unsharded()  # drops pieces kept for a smaller group
             return
         for p in self.params:
             p.register(p.sharded)
