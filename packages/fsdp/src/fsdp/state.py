@@ -120,9 +120,13 @@ class FSDPState:
         self._modules_to_run: set[nn.Module] = set()
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
-            module.register_forward_pre_hook(self._module_pre_forward, prepend=True,
-                                             with_kwargs=True)
-            module.register_forward_hook(self._module_post_forward, always_call=True)
+            # The hooks run eagerly inside a compiled module (``module.compile()``, the
+            # torchtitan per-block pattern): dynamo must not trace the collectives and the
+            # parameter swaps, as FSDP2 ensures for its hooks.
+            module.register_forward_pre_hook(torch.compiler.disable(self._module_pre_forward),
+                                             prepend=True, with_kwargs=True)
+            module.register_forward_hook(torch.compiler.disable(self._module_post_forward),
+                                         always_call=True)
 
     @property
     def groups(self) -> list[FSDPParamGroup]:
@@ -273,7 +277,7 @@ class FSDPState:
         flat, _ = tree_flatten(output)
         for tensor in flat:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(self._pre_backward)
+                tensor.register_hook(torch.compiler.disable(self._pre_backward))
         return output
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
