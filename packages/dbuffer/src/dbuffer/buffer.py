@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 import weakref
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -648,7 +648,8 @@ class DBuffer:
             param.grad = self.grad_view(name)
 
     def reduce_scatter(self, op: ReduceOp = "avg", async_op: bool = False, *,
-                       predivide: bool = False, free_grad: bool = False
+                       predivide: bool = False, free_grad: bool = False,
+                       reduce_hook: Callable[[torch.Tensor], None] | None = None
                        ) -> CollectiveHandle | None:
         """Reduce the unsharded gradients over all ranks into the sharded gradients.
 
@@ -675,6 +676,11 @@ class DBuffer:
                 the collective no longer reads it: right after its cast into a wider
                 ``reduce_dtype``, else when the collective completes. Saves one gradient
                 buffer per reduction in flight; the unsharded gradients are gone afterwards.
+            reduce_hook: called with this rank's reduced ``S`` elements (``reduce_dtype``)
+                once the reduce-scatter (and the HSDP all-reduce) completed, before the
+                division, cast and accumulation into the sharded gradients; it may change
+                them in place (FSDP2's all-reduce hook: e.g. an all-reduce over replicas the
+                caller manages itself).
 
         Returns:
             With ``async_op``, a handle whose ``wait()`` completes everything; else ``None``.
@@ -690,10 +696,11 @@ class DBuffer:
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
         self._check_on_device("reduce_scatter")
         with record_function("dbuffer::reduce_scatter"):
-            return self._reduce_scatter(op, async_op, predivide, free_grad)
+            return self._reduce_scatter(op, async_op, predivide, free_grad, reduce_hook)
 
-    def _reduce_scatter(self, op: ReduceOp, async_op: bool, predivide: bool,
-                        free_grad: bool) -> CollectiveHandle | None:
+    def _reduce_scatter(self, op: ReduceOp, async_op: bool, predivide: bool, free_grad: bool,
+                        reduce_hook: Callable[[torch.Tensor], None] | None
+                        ) -> CollectiveHandle | None:
         # A rank that wrote no gradient (e.g. its experts got no tokens) contributes zeros:
         # raising here would leave the other ranks waiting in the collective.
         self._fold_replaced_grads()
@@ -733,6 +740,8 @@ class DBuffer:
             with record_function("dbuffer::reduce_scatter_finish"):
                 if self.topology.replicate_group is not None:
                     all_reduce_sum(out, self.topology.replicate_group)
+                if reduce_hook is not None:
+                    reduce_hook(out)
                 if direct:
                     if post != 1.0:
                         kernels.scale_(out, post)

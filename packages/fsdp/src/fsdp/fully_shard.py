@@ -181,6 +181,18 @@ def fully_shard(
 fully_shard.state = get_state  # type: ignore[attr-defined]  # FSDP2's accessor of a module's state
 
 
+def _in_stream(hook: Callable[[torch.Tensor], None], stream: Any) -> Callable[[torch.Tensor], None]:
+    """``hook`` run with ``stream`` current (its device module's stream context)."""
+    device = getattr(stream, "device", None)  # a CPU stream has none
+    device_module = torch.get_device_module("cpu" if device is None else torch.device(device).type)
+
+    def in_stream(output: torch.Tensor) -> None:
+        with device_module.stream(stream):
+            hook(output)
+
+    return in_stream
+
+
 def _default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs an initialised torch.distributed process group")
@@ -471,10 +483,29 @@ class FSDPModule:
         raise NotImplementedError("set_custom_reduce_scatter: fsdp reduce-scatters in place "
                                   "from its DBuffer; a custom collective would need its own buffers")
 
-    def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
-        """Not supported: the HSDP all-reduce is part of DBuffer's reduction."""
-        raise NotImplementedError("set_all_reduce_hook: the HSDP all-reduce runs inside "
-                                  "DBuffer.reduce_scatter and takes no hook")
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
+                            stream: Any = None) -> None:
+        """Call ``hook(reduce_output)`` on every reduced gradient of this module's group, as
+        FSDP2 does: ``reduce_output`` is this rank's flat reduced gradients (all of the
+        group's parameters, in ``reduce_dtype``) after the reduce-scatter, and after the
+        HSDP all-reduce on a 2-D mesh, before the division by the data-parallel size; the
+        hook may change it in place. The fault-tolerance pattern uses it to all-reduce over
+        replicas it manages itself (1-D FSDP inside each replica).
+
+        Args:
+            hook: ``hook(reduce_output: torch.Tensor) -> None``.
+            stream: the device stream to run the hook in (1-D meshes only, as in FSDP2).
+
+        Raises:
+            ValueError: for a ``stream`` with HSDP (FSDP2's rule and words).
+        """
+        groups = self._get_fsdp_state().groups
+        if stream is not None and any(g.mesh.ndim == 2 for g in groups):
+            raise ValueError("stream cannot be set when using native HSDP")
+        if stream is not None:
+            hook = _in_stream(hook, stream)
+        for group in groups:
+            group.config.all_reduce_hook = hook
 
     def set_post_optim_event(self, event: Any) -> None:
         """Not supported: fsdp does not use separate CUDA streams for its collectives."""

@@ -65,6 +65,8 @@ class GroupConfig:
     gradient_divide_factor: float | None = None
     prefetch: bool = True
     reduce_in_flight: bool = True
+    # FSDP2's all-reduce hook: called with each reduced flat gradient (FSDPModule.set_all_reduce_hook).
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
 
 
 class FSDPParamGroup:
@@ -349,7 +351,8 @@ class FSDPParamGroup:
                 # reduction may release as soon as it is cast into the reduce dtype.
                 for p in self._params_of(buffer):
                     p.release_grad(reduced=False)
-                handles.append(buffer.reduce_scatter(op, async_op=True, free_grad=True))
+                handles.append(buffer.reduce_scatter(op, async_op=True, free_grad=True,
+                                                     reduce_hook=self.config.all_reduce_hook))
         self._pending = handles
         return True
 
