@@ -123,6 +123,54 @@ def test_meta_buffers_allocate_at_to_empty(ranks) -> None:
         assert out["after"] == [("cpu", True)]
 
 
+def _load_into_meta(impl: str, weights: dict[str, torch.Tensor] | None,
+                    partial: bool) -> dict[str, Any]:
+    """A meta model loaded by ``set_model_state_dict`` (full state dict broadcast from rank 0)
+    with no ``to_empty``: torch assigns the loaded DTensors to the meta parameters. With
+    ``partial`` the head's bias is left out of the state dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    api = import_fsdp(impl)
+    mesh = device_mesh(dist.get_world_size())
+    with torch.device("meta"):
+        model = Net()
+    api.fully_shard(model.block, mesh=mesh)
+    api.fully_shard(model.head, mesh=mesh)
+    api.fully_shard(model, mesh=mesh)
+    # torch's loader replaces the entries of the dict it is given: each run gets its own
+    weights = {k: v.clone() for k, v in (weights or {}).items()
+               if not partial or k != "head.bias"}  # partial: the head's bias stays on meta
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(model, weights or {}, options=options)
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(9))
+    try:
+        out = model(x)
+    except RuntimeError as error:
+        return {"error": str(error)}
+    return {"params": {n: full(p) for n, p in model.named_parameters()}, "out": out.detach()}
+
+
+def _load_case(source: dict[str, torch.Tensor]) -> dict[str, Any]:
+    weights = source if dist.get_rank() == 0 else None
+    return {impl: _load_into_meta(impl, weights, partial=False) for impl in ("torch", "fsdp")} | {
+        "partial": _load_into_meta("fsdp", weights, partial=True)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_full_state_dict_loads_into_a_meta_model_without_to_empty(ranks, world: int) -> None:
+    torch.manual_seed(4)
+    reference = Net()
+    source = {k: v.clone() for k, v in reference.state_dict().items()}
+    expected = reference(torch.randn(3, 6, generator=torch.Generator().manual_seed(9))).detach()
+    for out in ranks.run(world, _load_case, source):
+        for impl in ("torch", "fsdp"):
+            torch.testing.assert_close(out[impl]["params"], source, rtol=0, atol=0)
+            torch.testing.assert_close(out[impl]["out"], expected, rtol=0, atol=1e-6)
+        assert out["partial"]["error"] == (
+            "fsdp: parameters of Linear were assigned real values, but these are still on the "
+            "meta device: bias; assign them all, or call model.to_empty(device=...) first")
+
+
 def _train_counting(impl: str, shape: tuple[int, ...]) -> dict[str, Any]:
     api = import_fsdp(impl)
     mesh = device_mesh(*shape, names=("replicate", "shard") if len(shape) == 2 else None)

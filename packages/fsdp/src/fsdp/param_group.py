@@ -37,6 +37,15 @@ from fsdp.fp8 import GroupQuantizer
 from fsdp.managed_param import ManagedParam
 
 
+def _assigned_value(p: ManagedParam) -> torch.Tensor | None:
+    """What a module slot of ``p`` holds in place of its sharded parameter, if anything."""
+    for module, attr in p.slots:
+        current = module._parameters.get(attr)
+        if current is not p.sharded and current is not None:
+            return current
+    return None
+
+
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (a forward then is a
     reentrant checkpoint's recompute)."""
@@ -142,16 +151,32 @@ class FSDPParamGroup:
 
     def _adopt_assigned_params(self) -> None:
         """Take in parameters the user assigned after ``fully_shard``
-        (``module.weight = nn.Parameter(t)``, e.g. an init computed from other weights): copy
-        this rank's run of the new values into the buffer and register the sharded parameter
-        again, as FSDP2 does, instead of silently dropping the assignment."""
-        for p in self.params:
-            for module, attr in p.slots:
-                current = module._parameters.get(attr)
-                if current is p.sharded or current is None:
-                    continue
-                p.adopt(current.detach())
-                p.register(p.sharded)
+        (``module.weight = nn.Parameter(t)``, e.g. an init computed from other weights, or
+        ``load_state_dict(assign=True)``, which torch's ``set_model_state_dict`` uses for a
+        meta-device model): copy this rank's run of the new values into the buffer and
+        register the sharded parameter again, as FSDP2 does, instead of silently dropping the
+        assignment. A meta-device buffer whose parameters were all assigned real values gets
+        its memory on their device first; one with only some assigned raises, naming the
+        rest (they would hold no values)."""
+        for index, buffer in enumerate(list(self.buffers)):
+            params = list(self._params_of(buffer))
+            assigned = {p.name: value for p in params
+                        if (value := _assigned_value(p)) is not None}
+            if not assigned:
+                continue
+            if buffer.device.type == "meta" and any(not v.is_meta for v in assigned.values()):
+                missing = [p.name for p in params if p.name not in assigned]
+                if missing:
+                    raise RuntimeError(
+                        f"fsdp: parameters of {self.label} were assigned real values, but these "
+                        f"are still on the meta device: {', '.join(missing)}; assign them all, "
+                        "or call model.to_empty(device=...) first")
+                device = next(iter(assigned.values())).device
+                self._rebuild_buffer(index, device, buffer.dtype)
+            for p in params:
+                if p.name in assigned:
+                    p.adopt(assigned[p.name].detach())
+                    p.register(p.sharded)
 
     def unshard(self, async_op: bool = False) -> None:
         """Start the all-gather of every buffer in place (a no-op when already unsharded or
@@ -420,25 +445,35 @@ class FSDPParamGroup:
         with torch.no_grad():
             for index, buffer in enumerate(self.buffers):
                 params = list(self._params_of(buffer))
-                local = params[0].sharded._local_tensor
+                locals_ = {p.name: p.sharded._local_tensor for p in params}
+                local = locals_[params[0].name]
                 target = buffer
                 if (local.dtype, local.device) != (buffer.dtype, buffer.device):
-                    target = make_buffer(buffer.plan, self.mesh, device=local.device,
-                                         dtype=local.dtype, mp_policy=self.mp_policy,
-                                         trainable=bool(buffer.trainable))
-                    self.buffers[index] = target
-                    self._uninitialised.pop(id(buffer), None)  # to_empty from meta: written
+                    target = self._rebuild_buffer(index, local.device, local.dtype)
                 for p in params:
-                    new_local = p.sharded._local_tensor
+                    new_local = locals_[p.name]
                     view = target.local_view(p.name)
                     if new_local.data_ptr() != view.data_ptr() or new_local is not view:
                         view.copy_(new_local.reshape(-1))
                     if target is buffer:
                         p.sharded._local_tensor = view
-                    else:
-                        torch.utils.swap_tensors(p.sharded, p.sharded_on(target))
-                        p.buffer, p.unsharded = target, None
                     p.register(p.sharded)
+
+    def _rebuild_buffer(self, index: int, device: torch.device, dtype: torch.dtype) -> DBuffer:
+        """Replace ``self.buffers[index]`` by a new DBuffer on ``device`` in ``dtype`` (after
+        ``model.to(...)``, ``to_empty`` from meta, or meta parameters assigned real values)
+        and make each of its parameters a sharded parameter over the new one (the same
+        Python objects, so optimizers keep them; values are the caller's to write). Collective,
+        like every DBuffer construction."""
+        old = self.buffers[index]
+        target = make_buffer(old.plan, self.mesh, device=device, dtype=dtype,
+                             mp_policy=self.mp_policy, trainable=bool(old.trainable))
+        self.buffers[index] = target
+        self._uninitialised.pop(id(old), None)  # the caller writes every parameter's values
+        for p in list(self._params_of(old)):
+            torch.utils.swap_tensors(p.sharded, p.sharded_on(target))
+            p.buffer, p.unsharded = target, None
+        return target
 
     def reset_iter_state(self) -> None:
         """Forget a failed iteration: finish in-flight collectives, drop the failed
