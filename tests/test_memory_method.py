@@ -6,9 +6,10 @@ sums to the count), the same FSDP2 run read twice gives ratio 1.00 in every phas
 ``benchmarks/memory.py``'s per-phase figures on a small model compare fsdp with FSDP2: the
 forward peak and the live bytes between steps are at most FSDP2's, and no sharded gradient
 outlives ``zero_grad(set_to_none=True)``. The backward and optimizer-step peaks still exceed
-FSDP2's on CPU (issue 15: the gradient buffer of the group in backward is allocated whole at
-its pre-backward while the previous group's reduce-scatter is in flight; AdamW's foreach
-temporaries follow the largest local tensor, and a ragged rank can hold a whole matrix):
+FSDP2's on CPU (issue 15: a group's whole gradient buffer and the reduction's sharded output
+exist from the reduce-scatter's issue, next to gloo's staging copy of its input, while the
+next group's all-gather is in flight; AdamW's per-tensor temporaries follow the largest local
+tensor, and a ragged rank can hold a whole matrix):
 those bounds are marked ``xfail(strict=True)``, so a fix that meets them turns into a failure
 until the marks come off.
 """

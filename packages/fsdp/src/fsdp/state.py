@@ -39,11 +39,26 @@ class StepContext:
     forward_order: list[FSDPParamGroup] = field(default_factory=list)
     forward_order_complete: bool = False
     reducing: list[FSDPParamGroup] = field(default_factory=list)
+    # Backward prefetches waiting for the reduction in flight to finish.
+    prefetching: list[FSDPParamGroup] = field(default_factory=list)
 
     def finish_reduces(self) -> None:
-        """Finish every reduction still in flight."""
+        """Finish every reduction still in flight, then issue the backward prefetches that
+        waited for it."""
         while self.reducing:
             self.reducing.pop(0).finish_reduce()
+        while self.prefetching:
+            _prefetch_for_backward(self.prefetching.pop(0))
+
+    def prefetch_for_backward(self, group: FSDPParamGroup) -> None:
+        """Start ``group``'s all-gather for the backward, or, while a reduction is in flight,
+        when it finishes (at the current group's first gradient at the latest): the gathered
+        parameters then never coexist with the previous group's gradient buffer and the
+        collective's staging, and the gather still overlaps the current group's backward."""
+        if self.reducing:
+            self.prefetching.append(group)
+        else:
+            _prefetch_for_backward(group)
 
     def post_backward(self, group: FSDPParamGroup, *, last: bool | None = None) -> None:
         """Run ``group``'s post-backward (its ``finalize_backward`` at the end of a backward,
@@ -290,7 +305,7 @@ class FSDPState:
                 self._implicit_backward_prefetch(group)
         for state in self.states_to_backward_prefetch or ():
             for target in state.groups:
-                _prefetch_for_backward(target)
+                self.ctx.prefetch_for_backward(target)
         return grad
 
     def _implicit_backward_prefetch(self, group: FSDPParamGroup) -> None:
@@ -298,7 +313,7 @@ class FSDPState:
             return
         index = group.post_forward_indices.pop()
         if index > 0:
-            _prefetch_for_backward(self.ctx.post_forward_order[index - 1])
+            self.ctx.prefetch_for_backward(self.ctx.post_forward_order[index - 1])
 
     def reset_iter_state(self) -> None:
         """Recover from a forward or backward that raised (see ``FSDPModule``)."""
@@ -306,6 +321,7 @@ class FSDPState:
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
         ctx = self.ctx
         ctx.reducing.clear()
+        ctx.prefetching.clear()
         for state in ctx.all_states or [self]:
             state.training_state = TrainingState.IDLE
             state._modules_to_run.clear()
