@@ -8,15 +8,17 @@ same test (world sizes 2 and 3; the odd sizes leave ranks with zero units of sma
 * optimizer in backward through post-accumulate-grad hooks on the sharded parameters;
 * micro-batching with several forwards before their backwards (``set_is_last_backward``);
 * gradient memory: nothing outlives ``zero_grad(set_to_none=True)``, and at most one
-  reduce-scatter is in flight.
+  reduce-scatter is in flight;
+* layers that take and return dataclasses and named tuples.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -429,3 +431,70 @@ def test_activation_checkpointing_matches_and_gathers_nothing_twice(ranks, mode)
         assert out["fsdp"] <= max(2 * out["torch"], 1e-6), out
         # the recompute runs while the body is unsharded for its backward: no extra gather
         assert out["gathers"] == out["gathers_without"], out
+
+
+@dataclasses.dataclass
+class _Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class _PairTuple(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class _PairLayer(nn.Module):
+    """Takes and returns a container pytree does not flatten (a dataclass) or a named tuple."""
+
+    def __init__(self, container: type) -> None:
+        super().__init__()
+        self.container = container
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, pair: Any) -> Any:
+        return self.container(x=torch.tanh(self.linear(pair.x)), y=self.linear(pair.y))
+
+
+def _container_run(impl: str | None, container: type) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(3)
+    layers = nn.ModuleList(_PairLayer(container) for _ in range(3))
+    if impl is not None:
+        api = import_fsdp(impl)
+        mesh = device_mesh(world)
+        for layer in layers:
+            api.fully_shard(layer, mesh=mesh)
+    optimizer = torch.optim.AdamW(layers.parameters(), lr=1e-2)
+
+    def loss_of(r: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(r)
+        pair = container(x=torch.randn(4, DIM, generator=g), y=torch.randn(4, DIM, generator=g))
+        for layer in layers:
+            pair = layer(pair)
+        return (pair.x * pair.y).mean()
+
+    for _ in range(3):
+        if impl is None:
+            (sum(loss_of(r) for r in range(world)) / world).backward()
+        else:
+            loss_of(rank).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: full(p) for n, p in layers.named_parameters()}
+
+
+def _container_case(container_name: str) -> dict[str, float]:
+    container = {"dataclass": _Pair, "namedtuple": _PairTuple}[container_name]
+    ref = _container_run(None, container)
+    return {impl: max((got[n] - ref[n]).abs().max().item() for n in ref)
+            for impl in ("torch", "fsdp") for got in [_container_run(impl, container)]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("container_name", ["dataclass", "namedtuple"])
+def test_structured_outputs_re_gather_for_backward(ranks, world, container_name):
+    """Each layer's backward runs through tensors inside a dataclass (which pytree does not
+    flatten): the re-gather before it must still happen, as in FSDP2."""
+    for errors in ranks.run(world, _container_case, container_name):
+        assert errors["fsdp"] <= max(2 * errors["torch"], 1e-6), errors

@@ -287,13 +287,19 @@ class FSDPState:
 
     # ---------------------------------------------------------------------------- backward
     def _register_pre_backward(self, output: Any) -> Any:
+        """Hook every output tensor that requires grad, found as FSDP2 finds them (dataclasses,
+        named tuples and other containers pytree does not flatten included): a backward
+        through any of them must re-gather the group first."""
         if not torch.is_grad_enabled() or not self.groups:
             return output
-        flat, _ = tree_flatten(output)
-        for tensor in flat:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(torch.compiler.disable(self._pre_backward))
-        return output
+        hook = torch.compiler.disable(self._pre_backward)
+
+        def register(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.requires_grad:
+                tensor.register_hook(hook)
+            return tensor
+
+        return _apply_to_tensors(register, output)
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         self.training_state = TrainingState.PRE_BACKWARD
