@@ -20,6 +20,7 @@ buffers.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,6 +45,21 @@ def _assigned_value(p: ManagedParam) -> torch.Tensor | None:
         if current is not p.sharded and current is not None:
             return current
     return None
+
+
+def _outside_functorch(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``method`` with functorch's transforms off when one is active (a first forward
+    inside ``torch.func.jvp``/``vmap``): gathering and registering parameters works on the
+    buffers themselves, which a transform would wrap (FSDP2 does the same)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return wrapper
 
 
 def in_backward() -> bool:
@@ -178,6 +194,7 @@ class FSDPParamGroup:
                     p.adopt(assigned[p.name].detach())
                     p.register(p.sharded)
 
+    @_outside_functorch
     def unshard(self, async_op: bool = False) -> None:
         """Start the all-gather of every buffer in place (a no-op when already unsharded or
         gathering). With ``async_op`` the collectives overlap whatever runs until
@@ -212,6 +229,7 @@ class FSDPParamGroup:
     def _sharded_versions(self) -> list[int]:
         return [b.sharded_buffer._version for b in self.buffers]
 
+    @_outside_functorch
     def wait_for_unshard(self) -> None:
         """Finish the all-gather and register the unsharded parameters."""
         if self._gathers is None:
@@ -224,6 +242,7 @@ class FSDPParamGroup:
                 p.register(p.unsharded_param())
         self.is_unsharded = True
 
+    @_outside_functorch
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded memory (honouring
         ``reshard_after_forward`` during forward: an int keeps each rank's piece for the
@@ -254,6 +273,7 @@ class FSDPParamGroup:
         with an int ``reshard_after_forward``)."""
         return any(b.piece_numel for b in self.buffers)
 
+    @_outside_functorch
     def to_sharded(self) -> None:
         """Reshard now, whatever the step: for ``FSDPModule.reshard()``, state dicts and
         ``_apply``, which must see the sharded parameters."""

@@ -352,14 +352,26 @@ def _cast_floating(dtype: torch.dtype, tensor: torch.Tensor) -> torch.Tensor:
 
 class _PostBackward(torch.autograd.Function):
     """Identity on the module's inputs whose backward runs the group's post-backward: the
-    gradients w.r.t. a module's inputs are ready only after its parameters' gradients."""
+    gradients w.r.t. a module's inputs are ready only after its parameters' gradients.
+    Written in the ``setup_context`` form with a ``jvp`` and a generated vmap rule, so a
+    forward under ``torch.func`` transforms (``jvp``, ``vmap``) goes through it."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, group: FSDPParamGroup, context: StepContext,
+    def forward(group: FSDPParamGroup, context: StepContext,  # type: ignore[override]
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
-        ctx.context = context
         return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group, ctx.context = inputs[0], inputs[1]
+
+    @staticmethod
+    def jvp(ctx: Any, group_tangent: Any, context_tangent: Any,
+            *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Forward-mode AD passes the inputs' tangents through, like the values.
+        return tuple(t.view_as(t) for t in tangents)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
