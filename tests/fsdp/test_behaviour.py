@@ -82,6 +82,19 @@ def _bad_inputs() -> dict[str, str]:
     except RuntimeError as error:
         out["meta_forward"] = str(error)
     out["after_to_empty"] = _error_of(forward_after_to_empty)
+
+    def list_root() -> None:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        fsdp.fully_shard([model[0], model[1]], mesh=mesh)
+        model(torch.ones(2, 4))
+
+    try:
+        list_root()
+        out["list_root"] = "no error"
+    except RuntimeError as error:
+        out["list_root"] = str(error)
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    out["channels_last"] = _error_of(lambda: fsdp.fully_shard(conv, mesh=mesh))
     out["scalar"] = _error_of(lambda: fsdp.fully_shard(Scalar(), mesh=mesh))
     out["container"] = _error_of(lambda: fsdp.fully_shard(nn.ModuleList([nn.Linear(2, 2)]),
                                                           mesh=mesh))
@@ -110,7 +123,12 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(ranks):
     assert "bottom-up" in out["top_down"]
     assert "'1.weight' is on the meta device" in out["mixed_meta"]
     assert out["differ"] == "ValueError"  # shapes differ across ranks: one collective finds it
-    assert "built on the meta device and never initialised" in out["meta_forward"]
+    assert out["meta_forward"].startswith(  # FSDP2's words, all names on meta
+        "FSDP parameters should be materialized from meta device before training, but the "
+        "following were still on meta device: ['0.weight', '0.bias', '1.weight', '1.bias']")
+    assert "FSDP requires a single root module but got" in out["list_root"]
+    assert out["channels_last"].startswith("NotImplementedError") and (
+        "FSDP does not support non-contiguous parameters yet: weight" in out["channels_last"])
     assert out["after_to_empty"] == "no error"
     assert out["scalar"].startswith("ValueError") and "scale" in out["scalar"]
     assert "containers that do not implement forward" in out["container"]

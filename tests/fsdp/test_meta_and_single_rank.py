@@ -143,10 +143,15 @@ def _load_into_meta(impl: str, weights: dict[str, torch.Tensor] | None,
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     set_model_state_dict(model, weights or {}, options=options)
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(9))
-    try:
-        out = model(x)
-    except RuntimeError as error:
-        return {"error": str(error)}
+    if partial:
+        errors = []
+        for run in (model.head.unshard, lambda: model(x)):  # explicit unshard, then forward
+            try:
+                run()
+            except RuntimeError as error:
+                errors.append(str(error))
+        return {"errors": errors}
+    out = model(x)
     return {"params": {n: full(p) for n, p in model.named_parameters()}, "out": out.detach()}
 
 
@@ -166,9 +171,13 @@ def test_full_state_dict_loads_into_a_meta_model_without_to_empty(ranks, world: 
         for impl in ("torch", "fsdp"):
             torch.testing.assert_close(out[impl]["params"], source, rtol=0, atol=0)
             torch.testing.assert_close(out[impl]["out"], expected, rtol=0, atol=1e-6)
-        assert out["partial"]["error"] == (
+        assert out["partial"]["errors"] == [
             "fsdp: parameters of Linear were assigned real values, but these are still on the "
-            "meta device: bias; assign them all, or call model.to_empty(device=...) first")
+            "meta device: bias; assign them all, or call model.to_empty(device=...) first",
+            "FSDP parameters should be materialized from meta device before training, but the "
+            "following were still on meta device: ['head.bias']\nFor example, call "
+            "module.to_empty(device) to materialize to device and call "
+            "module.reset_parameters() on each module to initialize values."]
 
 
 def _train_counting(impl: str, shape: tuple[int, ...]) -> dict[str, Any]:

@@ -81,6 +81,7 @@ def collect_params(modules: list[tuple[str, nn.Module]],
     Raises:
         ValueError: for a parameter already sharded (``fully_shard`` applied top-down), one
             owned by another group (shared across groups), or one with no elements.
+        NotImplementedError: for a non-contiguous parameter (as FSDP2).
     """
     by_param: dict[nn.Parameter, Collected] = {}
     for prefix, module in modules:
@@ -104,6 +105,12 @@ def collect_params(modules: list[tuple[str, nn.Module]],
             if param.dim() == 0:
                 raise ValueError(f"fully_shard doesn't support scalar parameters. Change {name} "
                                  "to a 1D tensor with numel equal to 1.")
+            if not param.is_contiguous():
+                # FSDP2's error and words: the unsharded parameter is a contiguous view of
+                # the buffer, so a memory format (channels_last) would be silently dropped.
+                raise NotImplementedError(
+                    f"FSDP does not support non-contiguous parameters yet: {name} "
+                    f"param.shape={tuple(param.shape)} param.stride()={param.stride()}")
             if param.numel() == 0:
                 raise ValueError(f"fully_shard: parameter {name!r} has no elements (shape "
                                  f"{tuple(param.shape)}); fsdp cannot shard it: exclude it "

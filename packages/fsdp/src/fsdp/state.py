@@ -135,9 +135,9 @@ class FSDPState:
         self._modules_to_run: set[nn.Module] = set()
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
-            # The hooks run eagerly inside a compiled module (``module.compile()``, the
-            # torchtitan per-block pattern): dynamo must not trace the collectives and the
-            # parameter swaps, as FSDP2 ensures for its hooks.
+            # The hooks run eagerly when a compiled region calls the module (the whole
+            # sharded model compiled): dynamo must not trace the collectives and the
+            # parameter swaps; it breaks the graph there, as at FSDP2's hooks.
             module.register_forward_pre_hook(torch.compiler.disable(self._module_pre_forward),
                                              prepend=True, with_kwargs=True)
             module.register_forward_hook(torch.compiler.disable(self._module_post_forward),
@@ -152,10 +152,17 @@ class FSDPState:
     def _lazy_init(self) -> None:
         if self.is_root is not None:
             return
+        # FSDP2's errors and words, so code written against it behaves the same.
         if len(self.modules) > 1:
-            raise RuntimeError("fsdp: the root of a model must be a single module, but the "
-                               f"first fully_shard module to run forward is a list: "
-                               f"{[type(m).__name__ for m in self.modules]}")
+            raise RuntimeError(f"FSDP requires a single root module but got {list(self.modules)}"
+                               " (the first fully_shard module to run forward is a list)")
+        on_meta = [n for n, p in self.modules[0].named_parameters() if p.is_meta]
+        if on_meta:
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {on_meta}\n"
+                "For example, call module.to_empty(device) to materialize to device and "
+                "call module.reset_parameters() on each module to initialize values.")
         self.is_root = True
         ctx = self.ctx
         for name, module in self.modules[0].named_modules():
@@ -165,8 +172,8 @@ class FSDPState:
             if state is not self:
                 if state.is_root is not None:
                     raise RuntimeError(
-                        f"fsdp: {name or 'the module'} already ran forward as a root; run "
-                        "forward through the model's root module first")
+                        f"FSDP state has already been lazily initialized for {name}\nFSDP "
+                        "requires running forward through the root module first")
                 state.is_root = False
                 state.ctx = ctx
             ctx.all_states.append(state)
