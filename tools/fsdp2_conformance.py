@@ -76,12 +76,24 @@ class Exclusion:
 
 _INIT = "test_fully_shard_init.py::"
 _TRAINING = "test_fully_shard_training.py::"
+_STATE_DICT = "test_fully_shard_state_dict.py::"
 
 EXCLUSIONS: dict[str, Exclusion] = {
     _INIT + "TestFullyShardShardedParameterTensor.test_shard_tensor_parameters": Exclusion(
         "placements == (Shard(0),) and to_local() == torch.chunk(param)[rank]"),
     _INIT + "TestFullyShardHSDPBroadcast.test_hsdp_broadcast_across_replicas": Exclusion(
         "every rank's local shard of every parameter is non-empty"),
+    _INIT + "TestHSDPWithCustomHook.test_custom_hsdp_all_reduce_hook": Exclusion(
+        "out_proj.weight.grad.to_local() == torch.full((5, 40), ...): the Shard(0) chunk of a "
+        "(10, 40) weight on every rank"),
+    # With that one assertion removed (an empty local shard is allowed only on ranks > 0),
+    # both tests pass on fsdp (checked on 2026-11-26, 4 ranks).
+    _STATE_DICT + "TestFullyShardStateDictMultiProcess.test_dp_tp_state_dict_save_load":
+        Exclusion("assertGreater(self.rank, 0) where to_local() is empty: rank 0 holds part of "
+                  "every parameter"),
+    _STATE_DICT + "TestFullyShardStateDictMultiProcess.test_hsdp_tp_state_dict_save_load":
+        Exclusion("assertGreater(self.rank, 0) where to_local() is empty: rank 0 holds part of "
+                  "every parameter"),
     # The grouped model (fully_shard([norm, head])) and the ungrouped one plan different
     # buffers, so a rank's run of a parameter differs between them; FSDP2's Shard(0) shard
     # does not depend on the grouping.

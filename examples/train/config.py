@@ -25,6 +25,9 @@ class TrainConfig:
     Attributes:
         optimizer: ``adamw``, ``adamw8bit``, ``muon`` or ``shampoo``.
         world_size: CPU ranks to spawn (ignored under ``torchrun``).
+        tp: tensor-parallel degree: the ranks form a ``(world_size / tp, tp)`` mesh, blocks
+            use torchtitan's Llama TP plan inside each group of ``tp`` ranks and fsdp shards
+            over the data-parallel dimension (1: FSDP only). AdamW only.
         steps: optimizer steps.
         batch_size: sequences per rank per step.
         seq_len: bytes per sequence.
@@ -57,6 +60,7 @@ class TrainConfig:
 
     optimizer: str = "adamw"
     world_size: int = 2
+    tp: int = 1
     steps: int = 200
     batch_size: int = 8
     seq_len: int = 128
@@ -90,6 +94,15 @@ class TrainConfig:
         if self.mixed_precision not in PRECISIONS:
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: choose one of "
                              f"{', '.join(PRECISIONS)}")
+        if self.tp < 1 or self.n_heads % self.tp or self.ffn_dim % self.tp or self.seq_len % self.tp:
+            raise ValueError(f"tp={self.tp} must be >= 1 and divide n_heads={self.n_heads}, "
+                             f"ffn_dim={self.ffn_dim} and seq_len={self.seq_len} (tensor "
+                             "parallelism cuts whole heads, equal SwiGLU slices and equal "
+                             "sequence-parallel slices)")
+        if self.tp > 1 and (self.optimizer != "adamw" or self.fp8):
+            raise ValueError(f"tp={self.tp} runs with optimizer adamw and without fp8 (block "
+                             "optimizers and FP8 all-gathers of tensor-parallel weights are "
+                             "not supported yet)")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"dim={self.dim} must split into n_heads={self.n_heads} heads of "
                              "even width (rotary embeddings rotate pairs)")

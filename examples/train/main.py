@@ -82,7 +82,17 @@ def train(config: TrainConfig) -> dict[str, Any]:
     lead = rank == 0
     out = Path(config.out)
     data = ByteData.load(config.data, config.seq_len, config.max_bytes, config.val_fraction)
-    val_batches = [b.to(dev) for b in data.val_batches(config.val_windows, config.batch_size, rank, world)]
+    if world % config.tp:
+        raise ValueError(f"tp={config.tp} must divide the {world} ranks")
+    dp = world // config.tp
+    if config.tp > 1:
+        world_mesh = init_device_mesh(dev.type, (dp, config.tp), mesh_dim_names=("dp", "tp"))
+        mesh, tp_mesh = world_mesh["dp"], world_mesh["tp"]
+    else:
+        mesh, tp_mesh = init_device_mesh(dev.type, (world,)), None
+    # Batches are cut per data-parallel rank: the tp ranks of one group share theirs.
+    dp_rank = mesh.get_local_rank()
+    val_batches = [b.to(dev) for b in data.val_batches(config.val_windows, config.batch_size, dp_rank, dp)]
 
     torch.manual_seed(config.seed)
     model_config = ModelConfig(dim=config.dim, n_layers=config.n_layers, n_heads=config.n_heads,
@@ -90,9 +100,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
     with dev:
         model = Decoder(model_config)
     n_params = sum(p.numel() for p in model.parameters())
-    mesh = init_device_mesh(dev.type, (world,))
     param_dtype = torch.bfloat16 if config.mixed_precision == "bf16" else None
-    parallelize(model, mesh, unit_policy(config.optimizer), param_dtype, fp8=config.fp8)
+    parallelize(model, mesh, unit_policy(config.optimizer), param_dtype, fp8=config.fp8,
+                tp_mesh=tp_mesh)
     optimizer = build_optimizer(config.optimizer, model, config.lr, config.weight_decay)
     base_lrs = [{k: g[k] for k in LR_KEYS if k in g} for g in optimizer.param_groups]
 
@@ -109,7 +119,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
     dist.barrier()
     if lead:
         source = config.data or "the Python standard library's *.py files"
-        print(f"fsdp main job: {world} ranks ({dist.get_backend()}, {dev.type}), "
+        layout = f"{world} ranks" if tp_mesh is None else f"{world} ranks (dp {dp} x tp {config.tp})"
+        print(f"fsdp main job: {layout} ({dist.get_backend()}, {dev.type}), "
               f"{n_params / 1e6:.2f}M-parameter decoder ({config.n_layers} blocks, dim {config.dim}), "
               f"optimizer {config.optimizer}, {config.mixed_precision}"
               f"{', FP8 all-gather' if config.fp8 else ''}\n"
@@ -117,7 +128,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
               f"from {source}" + (f"\nresumed at step {start}" if config.resume else ""),
               flush=True)
 
-    tokens_per_step = config.batch_size * world * config.seq_len
+    tokens_per_step = config.batch_size * dp * config.seq_len
     bar = tqdm(total=config.steps, initial=start, disable=not lead, desc="train", unit="step",
                dynamic_ncols=True, file=sys.stdout)
     model.train()
@@ -127,7 +138,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         for group, base in zip(optimizer.param_groups, base_lrs):
             group.update({k: v * lr_factor(step, config) for k, v in base.items()})
-        batch = data.train_batch(step, config.batch_size * world, rank, world, config.seed).to(dev)
+        batch = data.train_batch(step, config.batch_size * dp, dp_rank, dp, config.seed).to(dev)
         loss = loss_sum(model, batch) / batch[:, 1:].numel()
         loss.backward()
         if config.clip > 0:
@@ -151,7 +162,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
     model.eval()
     sample = generate(model, config.prompt.encode(), config.sample_bytes, config.seq_len,
-                      config.temperature, config.seed, dev).decode(errors="replace")
+                      config.temperature, config.seed, dev, multiple=config.tp).decode(errors="replace")
     plot = None
     if lead:
         title = f"{config.optimizer}, {world} ranks, {config.steps} steps"

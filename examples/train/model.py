@@ -79,11 +79,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        q, k, v = (w(x).view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2)
+        # -1 heads: under tensor parallelism each rank computes n_heads / tp of them
+        q, k, v = (w(x).view(b, s, -1, d // self.n_heads).transpose(1, 2)
                    for w in (self.wq, self.wk, self.wv))
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, d))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):

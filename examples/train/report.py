@@ -45,17 +45,22 @@ def plot_losses(history: dict[str, list[list[float]]], path: Path, title: str) -
 
 @torch.no_grad()
 def generate(model: nn.Module, prompt: bytes, n_bytes: int, seq_len: int, temperature: float,
-             seed: int, device: torch.device) -> bytes:
+             seed: int, device: torch.device, multiple: int = 1) -> bytes:
     """Sample ``n_bytes`` bytes after ``prompt`` (greedy when ``temperature`` is 0).
 
     A sharded forward is a collective: every rank calls this with the same arguments and,
-    sampling from the same seeded generator, draws the same bytes.
+    sampling from the same seeded generator, draws the same bytes. Sequence-parallel layers
+    (tensor parallelism) cut the sequence evenly, so the context is right-padded to a
+    ``multiple`` of the TP degree: attention is causal, so no real position sees the padding,
+    and the last real position's logits are read.
     """
     g = torch.Generator().manual_seed(seed)
     tokens = list(prompt)
     for _ in range(n_bytes):
-        context = torch.tensor([tokens[-seq_len:]], device=device)
-        logits = model(context)[0, -1].float().cpu()
+        window = tokens[-seq_len:]
+        padded = window + [0] * (-len(window) % multiple)
+        context = torch.tensor([padded], device=device)
+        logits = model(context)[0, len(window) - 1].float().cpu()
         if temperature == 0:
             token = int(logits.argmax())
         else:

@@ -12,11 +12,15 @@ one layout loads into any other placement, world size or ``local_units``, and a 
 DTensor loads from checkpoints written by any other layout.
 
 On an HSDP mesh ``(Replicate(), RaggedShard(...))`` the replicas write identical items and
-DCP's planner keeps one copy of each.
+DCP's planner keeps one copy of each. Beside tensor-parallel ``Shard`` placements
+(:mod:`ragged_dtensor.composed`) the run is one of the TP-local tensor: its boxes are cut in
+that shape and moved to where the TP-local tensor lies in the global one, so a checkpoint
+saved at one (dp, tp) layout loads at any other.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -30,6 +34,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate
 
+from ragged_dtensor.composed import is_tp_shard, ragged_shape
 from ragged_dtensor.flat_boxes import Box, box_first_index, box_strides, flat_range_boxes
 from ragged_dtensor.placement import RaggedShard, find_ragged
 
@@ -37,15 +42,16 @@ def _ragged_placement(dtensor: DTensor) -> tuple[int, RaggedShard] | None:
     """The mesh dim and RaggedShard of ``dtensor``, or ``None`` if it has none.
 
     Raises:
-        ValueError: if another mesh dim is not ``Replicate`` (no checkpoint layout for it).
+        ValueError: if another mesh dim is neither ``Replicate`` nor a tensor-parallel
+            ``Shard`` (no checkpoint layout for it).
     """
     found = find_ragged(dtensor.placements)
     if found is not None and not all(
-        isinstance(p, (Replicate, RaggedShard)) for p in dtensor.placements
+        isinstance(p, (Replicate, RaggedShard)) or is_tp_shard(p) for p in dtensor.placements
     ):
         raise ValueError(
-            f"checkpointing a RaggedShard DTensor needs every other mesh dim to be Replicate, "
-            f"got placements {dtensor.placements}"
+            f"checkpointing a RaggedShard DTensor needs every other mesh dim to be Replicate "
+            f"or Shard, got placements {dtensor.placements}"
         )
     return found
 
@@ -55,26 +61,54 @@ def _cached_boxes(shape: tuple[int, ...], start: int, end: int) -> tuple[Box, ..
     return tuple(flat_range_boxes(shape, start, end))
 
 
-def local_boxes(dtensor: DTensor) -> tuple[tuple[Box, ...], int]:
-    """This rank's boxes of a RaggedShard DTensor and the flat start of its local run.
+@dataclass(frozen=True)
+class LocalBoxes:
+    """Where a rank's run of a RaggedShard DTensor lies.
+
+    Attributes:
+        boxes: the fewest ``(offsets, sizes)`` boxes covering the run, in the coordinates of
+            ``inner`` (the shape the RaggedShard cuts: the TP-local tensor beside
+            tensor-parallel ``Shard`` placements, else the global shape).
+        inner: that shape.
+        origin: where ``inner`` starts in the global tensor (zeros without TP).
+        start: the run's first flat index in ``inner``.
+    """
+
+    boxes: tuple[Box, ...]
+    inner: tuple[int, ...]
+    origin: tuple[int, ...]
+    start: int
+
+    def global_offsets(self, box: Box) -> tuple[int, ...]:
+        """``box``'s offsets in the global tensor."""
+        return tuple(o + b for o, b in zip(self.origin, box[0]))
+
+
+def local_boxes(dtensor: DTensor) -> LocalBoxes:
+    """This rank's boxes of a RaggedShard DTensor (beside ``Replicate`` or tensor-parallel
+    ``Shard`` placements).
 
     Args:
         dtensor: a DTensor with a RaggedShard placement.
 
     Returns:
-        ``(boxes, start)``: the fewest ``(offsets, sizes)`` boxes covering the run, and the
-        run's first flat index.
+        The boxes, in the TP-local shape, and where that shape lies in the global tensor.
     """
     found = _ragged_placement(dtensor)
     assert found is not None
     mesh_dim, placement = found
-    shape = tuple(dtensor.shape)
-    coordinate = dtensor.device_mesh.get_local_rank(mesh_dim)
-    start, end = placement.flat_range(shape, coordinate)
-    return _cached_boxes(shape, start, end), start
+    mesh, placements, shape = dtensor.device_mesh, dtensor.placements, tuple(dtensor.shape)
+    inner = ragged_shape(mesh, placements, shape)
+    origin, local = [0] * len(shape), list(shape)
+    for dim, p in enumerate(placements):  # outer mesh dims first, as DTensor nests them
+        if is_tp_shard(p):
+            local[p.dim] //= mesh.size(dim)
+            origin[p.dim] += mesh.get_local_rank(dim) * local[p.dim]
+    start, end = placement.flat_range(inner, mesh.get_local_rank(mesh_dim))
+    return LocalBoxes(_cached_boxes(inner, start, end), inner, tuple(origin), start)
 
 
-def _box_view(dtensor: DTensor, box: Box, start: int) -> torch.Tensor:
+def _box_view(dtensor: DTensor, where: LocalBoxes, box: Box) -> torch.Tensor:
     """The box as a view of the 1-D local run (writes land in the DTensor's storage).
 
     Raises:
@@ -86,50 +120,51 @@ def _box_view(dtensor: DTensor, box: Box, start: int) -> torch.Tensor:
             f"RaggedShard DTensor of shape {tuple(dtensor.shape)} has a non-contiguous local "
             f"tensor (stride {local.stride()}); checkpointing needs the contiguous 1-D run"
         )
-    shape = tuple(dtensor.shape)
     return local.as_strided(
         box[1],
-        box_strides(shape),
-        local.storage_offset() + box_first_index(shape, box) - start,
+        box_strides(where.inner),
+        local.storage_offset() + box_first_index(where.inner, box) - where.start,
     )
 
 
 def _create_write_items(self: DTensor, fqn: str, object: Any) -> list[WriteItem]:
     self._raise_if_contains_partial_placements()
-    boxes, _ = local_boxes(self)
+    where = local_boxes(self)
     properties = TensorProperties.create_from_tensor(self._local_tensor)
-    return [
-        WriteItem(
-            index=MetadataIndex(fqn, torch.Size(offsets)),
+    items = []
+    for box in where.boxes:
+        offsets = torch.Size(where.global_offsets(box))
+        items.append(WriteItem(
+            index=MetadataIndex(fqn, offsets),
             type=WriteItemType.SHARD,
             tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(box[1])),
                 properties=properties,
                 size=self.size(),
             ),
-        )
-        for offsets, sizes in boxes
-    ]
+        ))
+    return items
 
 
 def _create_chunk_list(self: DTensor) -> list[ChunkStorageMetadata]:
     self._raise_if_contains_partial_placements()
-    boxes, _ = local_boxes(self)
+    where = local_boxes(self)
     return [
-        ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-        for offsets, sizes in boxes
+        ChunkStorageMetadata(offsets=torch.Size(where.global_offsets(box)),
+                             sizes=torch.Size(box[1]))
+        for box in where.boxes
     ]
 
 
 def _get_tensor_shard(self: DTensor, index: MetadataIndex) -> torch.Tensor:
     self._raise_if_contains_partial_placements()
-    boxes, start = local_boxes(self)
-    for box in boxes:
-        if index.offset is not None and tuple(index.offset) == box[0]:
-            return _box_view(self, box, start)
+    where = local_boxes(self)
+    for box in where.boxes:
+        if index.offset is not None and tuple(index.offset) == where.global_offsets(box):
+            return _box_view(self, where, box)
     raise ValueError(
         f"checkpoint item {index.fqn!r}: no box at offset {index.offset} in this rank's part "
-        f"of the RaggedShard DTensor (boxes {[b[0] for b in boxes]})"
+        f"of the RaggedShard DTensor (boxes {[where.global_offsets(b) for b in where.boxes]})"
     )
 
 

@@ -1,0 +1,117 @@
+"""DCP checkpoints of fsdp over tensor parallelism reshard across both dimensions: saved at
+dp 2 x tp 2 (after two AdamW steps), loaded at dp 4 without TP, at dp 1 x tp 2, at dp 2 x tp 2
+again, and into one plain process (``no_dist``): every load gives the saved full parameters
+exactly. The RaggedShard run of a TP-local tensor is written as boxes of the global tensor.
+Full state dicts load into the combined parameters too (not yet with ``broadcast_from_rank0``,
+which raises on every rank)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+
+from tests.fsdp.tp_models import SEQ, VOCAB, build_model, parallelize
+from tests.harness import device_mesh
+
+TIMEOUT_S = 300.0
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+
+
+def _sharded_model(dp: int, tp: int) -> torch.nn.Module:
+    import fsdp
+
+    model = build_model()
+    if tp > 1:
+        world = device_mesh(dp, tp, names=("dp", "tp"))
+        parallelize(model, world["tp"])
+        dp_mesh = world["dp"]
+    else:
+        dp_mesh = device_mesh(dp)
+    for block in model.layers:
+        fsdp.fully_shard(block, mesh=dp_mesh)
+    fsdp.fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def _save(path: str) -> dict[str, torch.Tensor]:
+    model = _sharded_model(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(dist.get_rank() // 2)  # per dp rank
+    for _ in range(2):
+        tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    return {n: _full(p) for n, p in model.named_parameters()}
+
+
+def _load(path: str, dp: int, tp: int) -> dict[str, torch.Tensor]:
+    model = _sharded_model(dp, tp)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state)
+    return {n: _full(p) for n, p in model.named_parameters()}
+
+
+def _assert_same(got: dict[str, Any], saved: dict[str, Any], what: str) -> None:
+    assert got.keys() == saved.keys(), what
+    for name in saved:
+        assert torch.equal(got[name], saved[name]), (what, name)
+
+
+def test_dcp_reshards_across_dp_and_tp(ranks, tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = ranks.run(4, _save, path, timeout=TIMEOUT_S)[0]
+    assert any(not torch.equal(saved[n], p.detach()) for n, p in build_model().named_parameters())
+    for rank_out in ranks.run(4, _load, path, 4, 1, timeout=TIMEOUT_S):
+        _assert_same(rank_out, saved, "dp 4")
+    for rank_out in ranks.run(4, _load, path, 2, 2, timeout=TIMEOUT_S):
+        _assert_same(rank_out, saved, "dp 2 x tp 2")
+    for rank_out in ranks.run(2, _load, path, 1, 2, timeout=TIMEOUT_S):
+        _assert_same(rank_out, saved, "dp 1 x tp 2")
+    plain = build_model().state_dict()
+    dcp.load(plain, checkpoint_id=path, no_dist=True)
+    _assert_same({n: t for n, t in plain.items()}, saved, "one process")
+
+
+def _load_full(full: dict[str, torch.Tensor], broadcast: bool) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model = _sharded_model(2, 2)
+    given = {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 or not broadcast else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+    set_model_state_dict(model, given, options=options)
+    return {n: _full(p) for n, p in model.named_parameters()}
+
+
+def _load_full_broadcast(full: dict[str, torch.Tensor]) -> str:
+    try:
+        _load_full(full, broadcast=True)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_full_state_dict_loads_into_tp_parameters(ranks) -> None:
+    """Every rank passing the full state dict loads exactly; ``broadcast_from_rank0`` (the
+    scatter from rank 0 reads flat runs of the global tensor) is not supported beside TP yet
+    and raises on every rank, naming the entry."""
+    torch.manual_seed(9)
+    full = {k: torch.randn_like(v) for k, v in build_model().state_dict().items()}
+    for rank_out in ranks.run(4, _load_full, full, False, timeout=TIMEOUT_S):
+        _assert_same(rank_out, full, "full state dict")
+    for message in ranks.run(4, _load_full_broadcast, full, timeout=TIMEOUT_S):
+        assert message.startswith("full state dict entry 'embed.weight': loading into a "
+                                  "RaggedShard DTensor needs every other mesh dim"), message
