@@ -119,7 +119,8 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(ranks):
     results = ranks.run(2, _bad_inputs)
     assert results[0] == results[1]  # the same error on every rank
     out = results[0]
-    assert "shared with the group of Block" in out["shared"] and "fully_shard([" in out["shared"]
+    assert "already managed by another group (the group of Block)" in out["shared"]
+    assert "fully_shard([" in out["shared"]
     assert "bottom-up" in out["top_down"]
     assert "'1.weight' is on the meta device" in out["mixed_meta"]
     assert out["differ"] == "ValueError"  # shapes differ across ranks: one collective finds it

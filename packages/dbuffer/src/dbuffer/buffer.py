@@ -156,6 +156,8 @@ class DBuffer:
                                      hint="call all_gather() first")
         self._grad: FlatBuffer | None = None
         self._piece: _Piece | None = None
+        # HSDP reduce-scatter sums waiting for their all-reduce (reduce_scatter(all_reduce=False)).
+        self._partial_reduce: torch.Tensor | None = None
         # The sharded gradients: a plain tensor DBuffer holds from a reduce-scatter until
         # free_sharded_grad(), with the views and DTensors handed out over it; after that only
         # their holders keep the memory alive (no in-place free, nothing to fence).
@@ -649,8 +651,8 @@ class DBuffer:
 
     def reduce_scatter(self, op: ReduceOp = "avg", async_op: bool = False, *,
                        predivide: bool = False, free_grad: bool = False,
-                       reduce_hook: Callable[[torch.Tensor], None] | None = None
-                       ) -> CollectiveHandle | None:
+                       reduce_hook: Callable[[torch.Tensor], None] | None = None,
+                       all_reduce: bool = True) -> CollectiveHandle | None:
         """Reduce the unsharded gradients over all ranks into the sharded gradients.
 
         One reduce-scatter over the shard group (then, for HSDP, one all-reduce over the
@@ -681,6 +683,11 @@ class DBuffer:
                 division, cast and accumulation into the sharded gradients; it may change
                 them in place (FSDP2's all-reduce hook: e.g. an all-reduce over replicas the
                 caller manages itself).
+            all_reduce: HSDP only: ``False`` stops after the reduce-scatter and keeps its sum
+                in a partial buffer (``reduce_dtype``) instead of the sharded gradients; the
+                next reduction with ``True`` adds it before its all-reduce over the replicas.
+                Gradient accumulation over micro-batches then crosses the replicate dimension
+                (e.g. nodes) once per step, as FSDP2's ``set_requires_all_reduce(False)``.
 
         Returns:
             With ``async_op``, a handle whose ``wait()`` completes everything; else ``None``.
@@ -696,10 +703,11 @@ class DBuffer:
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
         self._check_on_device("reduce_scatter")
         with record_function("dbuffer::reduce_scatter"):
-            return self._reduce_scatter(op, async_op, predivide, free_grad, reduce_hook)
+            return self._reduce_scatter(op, async_op, predivide, free_grad, reduce_hook,
+                                        all_reduce)
 
     def _reduce_scatter(self, op: ReduceOp, async_op: bool, predivide: bool, free_grad: bool,
-                        reduce_hook: Callable[[torch.Tensor], None] | None
+                        reduce_hook: Callable[[torch.Tensor], None] | None, all_reduce: bool
                         ) -> CollectiveHandle | None:
         # A rank that wrote no gradient (e.g. its experts got no tokens) contributes zeros:
         # raising here would leave the other ranks waiting in the collective.
@@ -724,12 +732,13 @@ class DBuffer:
             kernels.copy_cast_(full, grad.tensor, pre)
         if free_grad and full is not grad.tensor:
             self._release_grad()  # the collective reads the reduce-dtype copy or the stash
+        partial_only = not all_reduce and self.topology.replicate_group is not None
         accumulate = self._sharded_grad is not None
-        if not accumulate:
+        if not accumulate and not partial_only:
             self._sharded_grad = torch.empty(self.shard_size, dtype=self.dtype,
                                              device=self.device)
         sharded_grad = self._sharded_grad
-        direct = not accumulate and self.reduce_dtype == self.dtype
+        direct = not accumulate and self.reduce_dtype == self.dtype and not partial_only
         if direct:
             out = sharded_grad
         else:
@@ -738,7 +747,20 @@ class DBuffer:
 
         def finish() -> None:
             with record_function("dbuffer::reduce_scatter_finish"):
+                if partial_only:
+                    if self._partial_reduce is None:
+                        self._partial_reduce = out
+                    else:
+                        kernels.add_(self._partial_reduce, out)
+                    if stash is not None:
+                        stash.free()
+                    if free_grad:
+                        self.free_grad()
+                    return
                 if self.topology.replicate_group is not None:
+                    if self._partial_reduce is not None:
+                        kernels.add_(out, self._partial_reduce)
+                        self._partial_reduce = None
                     all_reduce_sum(out, self.topology.replicate_group)
                 if reduce_hook is not None:
                     reduce_hook(out)
@@ -836,6 +858,12 @@ class DBuffer:
     def has_grad_stash(self) -> bool:
         """Whether :meth:`stash_grad` holds gradients not reduced yet."""
         return self._grad_stash is not None and self._grad_stash.allocated
+
+    @property
+    def has_partial_reduce(self) -> bool:
+        """Whether reduce-scatter sums wait for their HSDP all-reduce
+        (``reduce_scatter(all_reduce=False)``)."""
+        return self._partial_reduce is not None
 
     def free_grad(self) -> None:
         """Release the unsharded gradient memory (storage resized to 0 in place) and drop

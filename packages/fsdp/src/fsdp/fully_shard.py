@@ -334,18 +334,18 @@ class FSDPModule:
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: whether to all-reduce over the replicate dimension after reduce-scatter.
 
-        Args:
-            requires_all_reduce: only ``True`` is supported.
-            recurse: also for every sharded submodule.
+        With ``False`` (gradient accumulation over micro-batches, as in FSDP2) each backward
+        still reduce-scatters inside the replica and keeps the sum in the group's DBuffers
+        (``DBuffer.reduce_scatter(all_reduce=False)``); parameters get no ``.grad`` until a
+        backward with ``True`` adds those sums in and all-reduces once over the replicas. On
+        a 1-D mesh there is nothing to all-reduce and the setting changes nothing.
 
-        Raises:
-            NotImplementedError: for ``False`` (DBuffer always completes the HSDP reduction).
+        Args:
+            requires_all_reduce: whether to all-reduce.
+            recurse: also for every sharded submodule.
         """
-        if not requires_all_reduce:
-            raise NotImplementedError(
-                "set_requires_all_reduce(False) is not supported: a DBuffer's HSDP "
-                "reduce-scatter always ends with the replicate all-reduce")
-        del recurse  # True is what every group always does
+        for group in self._groups(recurse):
+            group.config.all_reduce = bool(requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` at run time (e.g. ``False`` for evaluation).

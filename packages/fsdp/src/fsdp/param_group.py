@@ -85,6 +85,7 @@ class GroupConfig:
     reshard_after_forward: bool | int = True
     reshard_after_backward: bool = True
     reduce_grads: bool = True
+    all_reduce: bool = True  # HSDP: all-reduce over the replicas after the reduce-scatter
     unshard_in_backward: bool = True
     reduce_scatter_unused_params: bool = False
     gradient_divide_factor: float | None = None
@@ -124,6 +125,8 @@ class FSDPParamGroup:
         # reduction in flight there), and whether the .grad views are aimed this backward.
         self.before_grad_memory: Callable[[], None] | None = None
         self._grads_aimed = False
+        # Parameters whose gradients wait in the buffers' partial HSDP sums (all_reduce off).
+        self._partial_grads: set[str] = set()
         for p in params:
             p.on_first_grad = self.aim_grads
         self._gathers: list[CollectiveHandle] | None = None
@@ -373,7 +376,7 @@ class FSDPParamGroup:
         for p in trainable:
             p.collect_grad()
         got_grads = any(p.got_grad for p in trainable) or any(
-            b.has_grad_stash for b in self.trainable_buffers)
+            b.has_grad_stash or b.has_partial_reduce for b in self.trainable_buffers)
         reduce_unused = self.config.reduce_scatter_unused_params and self.ran_grad_forward
         if not self.config.reduce_grads or not (got_grads or reduce_unused):
             if got_grads:
@@ -397,7 +400,8 @@ class FSDPParamGroup:
                 for p in self._params_of(buffer):
                     p.release_grad(reduced=False)
                 handles.append(buffer.reduce_scatter(op, async_op=True, free_grad=True,
-                                                     reduce_hook=self.config.all_reduce_hook))
+                                                     reduce_hook=self.config.all_reduce_hook,
+                                                     all_reduce=self.config.all_reduce))
         self._pending = handles
         return True
 
@@ -431,12 +435,18 @@ class FSDPParamGroup:
             for handle in pending:
                 handle.wait()
         reduce_unused = self.config.reduce_scatter_unused_params
+        partial = not self.config.all_reduce and self.mesh.ndim == 2
         for p in self.params:
             if not p.trainable:
                 continue
-            if p.got_grad or reduce_unused:
+            if partial:  # the sums wait for the replicas' all-reduce: no .grad yet
+                if p.got_grad:
+                    self._partial_grads.add(p.name)
+            elif p.got_grad or reduce_unused or p.name in self._partial_grads:
                 p.take_sharded_grad(p.sharded_grad())
             p.release_grad(reduced=True)
+        if not partial:
+            self._partial_grads.clear()
         for buffer in self.trainable_buffers:
             buffer.free_grad()
             buffer.free_sharded_grad()

@@ -98,9 +98,9 @@ def collect_params(modules: list[tuple[str, nn.Module]],
                     "enclosing module; apply fully_shard bottom-up (blocks first, then the root)")
             if hasattr(param, _OWNER_ATTR):
                 raise ValueError(
-                    f"fully_shard: parameter {name!r} is shared with the group of "
-                    f"{getattr(param, _OWNER_ATTR)}, which already manages it; a parameter can belong "
-                    "to one group only: put both modules in one group with "
+                    f"fully_shard: parameter {name!r} is already managed by another group "
+                    f"(the group of {getattr(param, _OWNER_ATTR)}); a parameter can belong to "
+                    "one group only: put both modules in one group with "
                     "fully_shard([module_a, module_b])")
             if param.dim() == 0:
                 raise ValueError(f"fully_shard doesn't support scalar parameters. Change {name} "
