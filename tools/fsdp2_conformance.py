@@ -106,38 +106,47 @@ EXCLUSIONS: dict[str, Exclusion] = {
 }
 
 
-# Root causes of the failures seen on fsdp (not exclusions: each is a difference to close).
-# The id is printed with the failure and stored in the JSON; the text says what fsdp does.
+# Root causes of the failures seen on fsdp (not exclusions: each is a difference to close or
+# a documented design choice). The id is printed with the failure and stored in the JSON.
 CAUSE_TEXT: dict[str, str] = {
-    "distribute-tensor": "torch.distributed.tensor.distribute_tensor(full, mesh, "
-                         "param.placements) rejects RaggedShard ('unsupported placements RS')",
-    "post-acc-grad-hook": "register_post_accumulate_grad_hook on a sharded parameter never runs",
-    "dtype": "DBuffer holds float32/bfloat16/float16 only: float64 / float8 / int parameters "
-             "raise TypeError",
-    "int-reshard": "reshard_after_forward=<int> raises NotImplementedError",
-    "partial-forward": "a group's submodule called outside the group's forward (chunked head): "
-                       "no gradient after the chunk backward; with accumulation a rank SIGSEGVs",
-    "fsdp2-private": "reads FSDP2's private state or patches its private functions "
-                     "(_get_fsdp_state(), _fsdp_param_group, RegisterPostBackwardFunction, "
-                     "foreach_reduce, share_comm_ctx)",
-    "tensor-parallel": "DTensor (tensor-parallel) parameters raise NotImplementedError",
-    "world-size-1": "at world size 1 fsdp issues collectives (the test counts zero)",
-    "meta-device": "parameters leave the meta device at fully_shard",
-    "shard-dim": "shard_placement_fn returning Shard(d > 0) raises ValueError",
-    "all-reduce-hook": "set_all_reduce_hook raises NotImplementedError",
-    "noncontiguous-accepted": "fsdp shards a channels_last parameter where FSDP2 raises "
-                              "NotImplementedError (the test expects the error)",
+    "fsdp2-private": "reads FSDP2's private state or calls torch's private FSDP2 helpers on "
+                     "fsdp's modules (_fsdp_param_group, _is_root, _comm_ctx, "
+                     "_modules_to_run_forward, _get_managed_modules, "
+                     "RegisterPostBackwardFunction)",
+    "shard-dim": "shard_placement_fn returning Shard(d > 0) raises ValueError by design (a cut "
+                 "along d > 0 is not a run of whole units; unit_policy instead)",
+    "uneven-tp": "a tensor-parallel Shard(d) not divisible by the TP size raises "
+                 "NotImplementedError (each TP rank would need its own ragged layout)",
 }
 
 _FROZEN = "test_fully_shard_frozen.py::TestFullyShardFrozen."
+_MANAGED = _INIT + "TestFullyShardManagedModulesAndStates."
+_LAZY = _INIT + "TestFullyShardLazyInit."
+_PLACEMENT_FN = _INIT + "TestFullyShardShardPlacementFn."
 
 # Which cause each observed failure has (read from its traceback and the test's source).
 CAUSES: dict[str, str] = {
-    _FROZEN + "test_multi_forward_mixed_requires_grad": "int-reshard",
-    _FROZEN + "test_train_mixed_requires_grad_per_group": "distribute-tensor",
+    _FROZEN + "test_train_mixed_requires_grad_per_group": "fsdp2-private",
     _FROZEN + "test_train_mixed_requires_grad_across_groups": "fsdp2-private",
-    _TRAINING + "TestFullyShardCustomForwardMethod.test_register_fsdp_forward_method":
-        "distribute-tensor",
+    _MANAGED + "test_managed_modules_nested": "fsdp2-private",
+    _MANAGED + "test_managed_modules_nested_fully_shard_and_replicate": "fsdp2-private",
+    _MANAGED + "test_managed_states_nested_fully_shard": "fsdp2-private",
+    _LAZY + "test_fully_shard_is_root": "fsdp2-private",
+    _LAZY + "test_fully_shard_module_and_param_fqns": "fsdp2-private",
+    _TRAINING + "TestFullyShardRegisteredParams.test_modules_to_run_forward_empty_for_single_module":
+        "fsdp2-private",
+    _TRAINING + "TestFullyShard1DTrainingCompose.test_partial_group_reshard_toggle":
+        "fsdp2-private",
+    _TRAINING + "TestFullyShardShareCommContext.test_share_comm_context": "fsdp2-private",
+    _PLACEMENT_FN + "test_init_1d_transformer_shard_dim_neg1": "shard-dim",
+    _PLACEMENT_FN + "test_init_1d_transformer_shard_largest_dim": "shard-dim",
+    _PLACEMENT_FN + "test_init_1d_uneven_shard_largest_dim": "shard-dim",
+    _PLACEMENT_FN + "test_init_2d_transformer_shard_diff_dim": "shard-dim",
+    _PLACEMENT_FN + "test_invalid_shard_dim": "shard-dim",
+    _TRAINING + "TestFullyShardShardPlacementFnMultiThread."
+                "test_shard_placement_fn_contiguous_params_grads": "shard-dim",
+    _STATE_DICT + "TestFullyShardStateDictMultiProcess.test_dp_state_dict_save_load": "shard-dim",
+    _INIT + "TestFullyShardShardedParameterDTensor.test_shard_dtensor_parameters": "uneven-tp",
 }
 
 
