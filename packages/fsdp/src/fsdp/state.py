@@ -156,13 +156,7 @@ class FSDPState:
         if len(self.modules) > 1:
             raise RuntimeError(f"FSDP requires a single root module but got {list(self.modules)}"
                                " (the first fully_shard module to run forward is a list)")
-        on_meta = [n for n, p in self.modules[0].named_parameters() if p.is_meta]
-        if on_meta:
-            raise RuntimeError(
-                "FSDP parameters should be materialized from meta device before training, "
-                f"but the following were still on meta device: {on_meta}\n"
-                "For example, call module.to_empty(device) to materialize to device and "
-                "call module.reset_parameters() on each module to initialize values.")
+
         self.is_root = True
         ctx = self.ctx
         for name, module in self.modules[0].named_modules():
@@ -179,6 +173,22 @@ class FSDPState:
             ctx.all_states.append(state)
         if self.auto_reshard_after_forward and self.group is not None:
             self.group.config.reshard_after_forward = False
+        self._check_no_meta_params()
+
+    def _check_no_meta_params(self) -> None:
+        """FSDP2's check and words: the first group (root first, then in module order) with
+        parameters still on the meta device raises, naming them by their names in the root."""
+        names = {id(p): n for n, p in self.modules[0].named_parameters()}
+        for state in self.ctx.all_states:
+            for group in state.groups:
+                on_meta = [names.get(id(p.sharded), p.name) for p in group.params
+                           if p.sharded.is_meta]
+                if on_meta:
+                    raise RuntimeError(
+                        "FSDP parameters should be materialized from meta device before "
+                        f"training, but the following were still on meta device: {on_meta}\n"
+                        "For example, call module.to_empty(device) to materialize to device "
+                        "and call module.reset_parameters() on each module to initialize values.")
 
     # ----------------------------------------------------------------------------- forward
     def _module_pre_forward(self, module: nn.Module, args: tuple[Any, ...],
