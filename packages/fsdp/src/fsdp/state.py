@@ -181,8 +181,11 @@ class FSDPState:
         names = {id(p): n for n, p in self.modules[0].named_parameters()}
         for state in self.ctx.all_states:
             for group in state.groups:
-                on_meta = [names.get(id(p.sharded), p.name) for p in group.params
-                           if p.sharded.is_meta]
+                # what the module holds: a value assigned in place of the sharded parameter
+                # (load_state_dict(assign=True)) is taken in at the group's first unshard
+                held = [(p, module._parameters[attr]) for p in group.params
+                        for module, attr in p.slots[:1]]
+                on_meta = [names.get(id(value), p.name) for p, value in held if value.is_meta]
                 if on_meta:
                     raise RuntimeError(
                         "FSDP parameters should be materialized from meta device before "
