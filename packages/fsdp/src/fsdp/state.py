@@ -135,13 +135,9 @@ class FSDPState:
         self._modules_to_run: set[nn.Module] = set()
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
-            # The hooks run eagerly when a compiled region calls the module (the whole
-            # sharded model compiled): dynamo must not trace the collectives and the
-            # parameter swaps; it breaks the graph there, as at FSDP2's hooks.
-            module.register_forward_pre_hook(torch.compiler.disable(self._module_pre_forward),
-                                             prepend=True, with_kwargs=True)
-            module.register_forward_hook(torch.compiler.disable(self._module_post_forward),
-                                         always_call=True)
+            module.register_forward_pre_hook(self._module_pre_forward, prepend=True,
+                                             with_kwargs=True)
+            module.register_forward_hook(self._module_post_forward, always_call=True)
 
     @property
     def groups(self) -> list[FSDPParamGroup]:
@@ -194,12 +190,17 @@ class FSDPState:
                         "and call module.reset_parameters() on each module to initialize values.")
 
     # ----------------------------------------------------------------------------- forward
+    # The hooks are torch.compiler.disable-d: when a compiled region calls the module (the
+    # whole sharded model compiled), dynamo must not trace the collectives and the parameter
+    # swaps; it breaks the graph there, as at FSDP2's hooks.
+    @torch.compiler.disable
     def _module_pre_forward(self, module: nn.Module, args: tuple[Any, ...],
                             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if len(self.modules) > 1 and not self._modules_to_run:
             self._modules_to_run.update(self.modules)
         return self.pre_forward(args, kwargs)
 
+    @torch.compiler.disable
     def _module_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if len(self.modules) > 1:
             if module not in self._modules_to_run:
@@ -312,15 +313,14 @@ class FSDPState:
         through any of them must re-gather the group first."""
         if not torch.is_grad_enabled() or not self.groups:
             return output
-        hook = torch.compiler.disable(self._pre_backward)
-
         def register(tensor: torch.Tensor) -> torch.Tensor:
             if tensor.requires_grad:
-                tensor.register_hook(hook)
+                tensor.register_hook(self._pre_backward)
             return tensor
 
         return _apply_to_tensors(register, output)
 
+    @torch.compiler.disable
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         self.training_state = TrainingState.PRE_BACKWARD
         self.ctx.queue_final_callback()
