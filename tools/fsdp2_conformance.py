@@ -8,7 +8,8 @@ the newest stored version of each file that runs on torch 2.13 and put a first-l
 ``# Transcribed from pytorch/pytorch@<commit>`` in it: the JSON records that commit per file.
 The run of 2026-11-26 used (torch 2.13.0 is ``cf30153c``, not stored by the code index):
 training ``001df7b5``, frozen ``04fb872f``, autograd ``23477856``, state_dict ``01c2204b``,
-clip_grad_norm_ ``0f31e612``, ignore_params ``05a963fb``, mixed_precision ``003a6c0a``.
+clip_grad_norm_ ``0f31e612``, ignore_params ``05a963fb``, mixed_precision ``003a6c0a``,
+init ``009e587c``, state ``2c50e08a``, with ``FSDP2_CONFORMANCE_CPU_DEVICES=4``.
 torch's test utilities import ``expecttest``: ``pip install --target /tmp/fsdp2_deps
 expecttest`` and pass ``--deps /tmp/fsdp2_deps``. Then, from the repository root, the
 baseline on torch's own FSDP2 and fsdp against it::
@@ -117,6 +118,8 @@ CAUSE_TEXT: dict[str, str] = {
                  "along d > 0 is not a run of whole units; unit_policy instead)",
     "uneven-tp": "a tensor-parallel Shard(d) not divisible by the TP size raises "
                  "NotImplementedError (each TP rank would need its own ragged layout)",
+    "earlier-error": "fsdp raises FSDP2's error at fully_shard, where FSDP2 raises it at the "
+                     "first forward (the test calls fully_shard outside assertRaises)",
 }
 
 _FROZEN = "test_fully_shard_frozen.py::TestFullyShardFrozen."
@@ -147,6 +150,8 @@ CAUSES: dict[str, str] = {
                 "test_shard_placement_fn_contiguous_params_grads": "shard-dim",
     _STATE_DICT + "TestFullyShardStateDictMultiProcess.test_dp_state_dict_save_load": "shard-dim",
     _INIT + "TestFullyShardShardedParameterDTensor.test_shard_dtensor_parameters": "uneven-tp",
+    _TRAINING + "TestFullyShardSharedParams.test_shared_params_separate_fsdp_groups_error":
+        "earlier-error",
 }
 
 
