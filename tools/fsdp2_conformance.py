@@ -225,7 +225,14 @@ def run_file(path: Path, impl: str, deps: list[str], timeout: float, ungate: boo
         if not report.exists():
             return [], (f"pytest exited {proc.returncode} without a report: "
                         f"{_first_line(log.read_text(errors='replace'))}")
-        return _parse_report(report, path.name, impl), f"pytest exit {proc.returncode}"
+        results = _parse_report(report, path.name, impl)
+        # pytest reports a file it cannot import as one classless case: the file ran no
+        # test, so it is a note on the file rather than a test counted as ``error``
+        uncollected = [r for r in results if r.test.startswith(".")]
+        if uncollected:
+            return ([r for r in results if r not in uncollected],
+                    f"not collected (pytest exit {proc.returncode}): {uncollected[0].detail}")
+        return results, f"pytest exit {proc.returncode}"
 
 
 _VERBOSE_LINE = re.compile(r"^\S+::(\w+)::(\w+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)")
