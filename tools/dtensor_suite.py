@@ -44,11 +44,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from fsdp2_conformance import TestResult, _first_line, _parse_report
+from fsdp2_conformance import TestResult, _exception_line, _first_line, _parse_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIM_DIR = Path(__file__).resolve().parent / "dtensor_shim"
-FSDP2_SHIM_DIR = Path(__file__).resolve().parent / "fsdp2_shim"  # for fsdp2_compat (--ungate)
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "dtensor_suite.json"
 MODES = ("plain", "fsdp", "installed")
 
@@ -88,7 +87,7 @@ def run_file(path: Path, mode: str, deps: list[str], timeout: float,
     env["DTENSOR_SUITE_MODE"] = mode
     env["DTENSOR_SUITE_UNGATE"] = "1" if ungate else "0"
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(SHIM_DIR), str(path.parent), *deps, str(FSDP2_SHIM_DIR), env.get("PYTHONPATH", "")])
+        [str(SHIM_DIR), str(path.parent), *deps, env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTORCH_PRINT_REPRO_ON_FAILURE"] = "0"
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,6 +104,9 @@ def run_file(path: Path, mode: str, deps: list[str], timeout: float,
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             return [], f"not run: timed out after {timeout:.0f} s"
+        if "Error in sitecustomize" in stderr:
+            # Python goes on without the shim, so the mode would silently be ``plain``
+            return [], f"not run: the shim failed: {_exception_line(stderr)}"
         if not report.exists():
             return [], f"pytest exited {proc.returncode} without a report: {_first_line(stderr)}"
         return _parse_report(report, path.name, "torch"), f"pytest exit {proc.returncode}"
