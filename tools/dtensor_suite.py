@@ -44,11 +44,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from fsdp2_conformance import TestResult, _first_line, _parse_report
+from fsdp2_conformance import (TestResult, _exception_line, _first_line, _parse_log,
+                               _parse_report)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIM_DIR = Path(__file__).resolve().parent / "dtensor_shim"
-FSDP2_SHIM_DIR = Path(__file__).resolve().parent / "fsdp2_shim"  # for fsdp2_compat (--ungate)
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "dtensor_suite.json"
 MODES = ("plain", "fsdp", "installed")
 
@@ -88,25 +88,32 @@ def run_file(path: Path, mode: str, deps: list[str], timeout: float,
     env["DTENSOR_SUITE_MODE"] = mode
     env["DTENSOR_SUITE_UNGATE"] = "1" if ungate else "0"
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(SHIM_DIR), str(path.parent), *deps, str(FSDP2_SHIM_DIR), env.get("PYTHONPATH", "")])
+        [str(SHIM_DIR), str(path.parent), *deps, env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTORCH_PRINT_REPRO_ON_FAILURE"] = "0"
     with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.xml"
-        cmd = [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider",
+        report, log = Path(tmp) / "report.xml", Path(tmp) / "log.txt"
+        # -v: a file over ``timeout`` keeps the tests it finished (read from these lines)
+        cmd = [sys.executable, "-m", "pytest", str(path), "-v", "-p", "no:cacheprovider",
                "-c", os.devnull, "--rootdir", str(path.parent), "-o", "junit_logging=all",
                f"--junitxml={report}"]
-        # a session of its own, so a timeout also ends the rank processes pytest spawned
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            _, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            return [], f"not run: timed out after {timeout:.0f} s"
+        with log.open("w") as out:
+            # a session of its own, so a timeout also ends the rank processes pytest spawned
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return (_parse_log(log.read_text(errors="replace"), path, "torch", deps),
+                        f"timed out after {timeout:.0f} s (killed; finished tests kept)")
+        output = log.read_text(errors="replace")
+        if "Error in sitecustomize" in output:
+            # Python goes on without the shim, so the mode would silently be ``plain``
+            return [], f"not run: the shim failed: {_exception_line(output)}"
         if not report.exists():
-            return [], f"pytest exited {proc.returncode} without a report: {_first_line(stderr)}"
+            return [], f"pytest exited {proc.returncode} without a report: {_first_line(output)}"
         return _parse_report(report, path.name, "torch"), f"pytest exit {proc.returncode}"
 
 

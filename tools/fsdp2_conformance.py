@@ -243,7 +243,7 @@ def run_file(path: Path, impl: str, deps: list[str], timeout: float, ungate: boo
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-                return (_parse_log(log.read_text(errors="replace"), path, impl),
+                return (_parse_log(log.read_text(errors="replace"), path, impl, deps),
                         f"timed out after {timeout:.0f} s (killed)")
             finally:
                 with contextlib.suppress(ProcessLookupError):
@@ -251,15 +251,23 @@ def run_file(path: Path, impl: str, deps: list[str], timeout: float, ungate: boo
         if not report.exists():
             return [], (f"pytest exited {proc.returncode} without a report: "
                         f"{_first_line(log.read_text(errors='replace'))}")
-        return _parse_report(report, path.name, impl), f"pytest exit {proc.returncode}"
+        results = _parse_report(report, path.name, impl)
+        # pytest reports a file it cannot import as one classless case: the file ran no
+        # test, so it is a note on the file rather than a test counted as ``error``
+        uncollected = [r for r in results if r.test.startswith(".")]
+        if uncollected:
+            return ([r for r in results if r not in uncollected],
+                    f"not collected (pytest exit {proc.returncode}): {uncollected[0].detail}")
+        return results, f"pytest exit {proc.returncode}"
 
 
 _VERBOSE_LINE = re.compile(r"^\S+::(\w+)::(\w+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)")
 _VERBOSE_START = re.compile(r"^\S+::(\w+)::(\w+) ")
 
 
-def _parse_log(log: str, path: Path, impl: str) -> list[TestResult]:
-    """Outcomes of a file that timed out, from pytest's ``-v`` lines."""
+def _parse_log(log: str, path: Path, impl: str, deps: list[str]) -> list[TestResult]:
+    """Outcomes of a file that timed out, from pytest's ``-v`` lines; the tests it did not
+    reach (collected again, with ``deps`` on the path as in the run) are ``not-run``."""
     statuses = {"PASSED": "pass", "FAILED": "fail", "ERROR": "error", "SKIPPED": "skip",
                 "XFAIL": "skip", "XPASS": "pass"}
     results, started = [], None
@@ -276,7 +284,7 @@ def _parse_log(log: str, path: Path, impl: str) -> list[TestResult]:
         [sys.executable, "-m", "pytest", str(path), "--collect-only", "-q", "-p",
          "no:cacheprovider", "-c", os.devnull, "--rootdir", str(path.parent)],
         env={**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(SHIM_DIR), str(path.parent), os.environ.get("PYTHONPATH", "")])},
+            [str(SHIM_DIR), str(path.parent), *deps, os.environ.get("PYTHONPATH", "")])},
         capture_output=True, text=True, timeout=300, cwd=path.parent).stdout
     done = {r.test for r in results}
     for line in collected.splitlines():

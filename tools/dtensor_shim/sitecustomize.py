@@ -13,14 +13,24 @@ import os
 if os.environ.get("DTENSOR_SUITE_UNGATE") == "1":
     # ``--ungate`` (every mode alike, a harness adjustment): accelerator-gated tests run on
     # CPU, and the CPU device module reports enough devices for their world sizes (the copies
-    # ask it where the originals ask torch.cuda.device_count()). fsdp2_compat (from
-    # tools/fsdp2_shim, on PYTHONPATH) lifts skip_if_lt_x_gpu in every process.
+    # ask it where the originals ask torch.cuda.device_count()). tools/fsdp2_shim's
+    # sitecustomize (shadowed by this module's name, so loaded from its file) lifts
+    # skip_if_lt_x_gpu in every process; a failure here must not pass silently, since Python
+    # would then run the process without this module and so without ``import fsdp``.
+    import importlib.util
+    from pathlib import Path
+
     import torch
 
-    os.environ["FSDP2_CONFORMANCE_UNGATE"] = "1"
-    import fsdp2_compat  # noqa: F401
-
     _DEVICES = int(os.environ.get("DTENSOR_SUITE_CPU_DEVICES", "4"))
+    os.environ["FSDP2_CONFORMANCE_UNGATE"] = "1"
+    os.environ["FSDP2_CONFORMANCE_CPU_DEVICES"] = str(_DEVICES)
+    _spec = importlib.util.spec_from_file_location(
+        "fsdp2_shim_sitecustomize",
+        Path(__file__).resolve().parents[1] / "fsdp2_shim" / "sitecustomize.py",
+    )
+    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+
     torch.cpu.device_count = lambda: _DEVICES
 
 _MODE = os.environ.get("DTENSOR_SUITE_MODE", "plain")
