@@ -132,7 +132,7 @@ class FSDPParamGroup:
         self._gathers: list[CollectiveHandle] | None = None
         self._gathered_versions: list[int] = []
         self.quantizer: GroupQuantizer | None = None  # FP8 all-gather (fsdp.fp8)
-        # The k-rank group of an int reshard_after_forward (fsdp.reshard_groups).
+        # The k-rank group of an int reshard_after_forward (fsdp.post_forward).
         self.post_forward_group: dist.ProcessGroup | None = None
         self.post_forward_indices: list[int] = []
         self._uninitialised: dict[int, int] = {}
