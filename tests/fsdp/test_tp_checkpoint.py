@@ -2,8 +2,7 @@
 dp 2 x tp 2 (after two AdamW steps), loaded at dp 4 without TP, at dp 1 x tp 2, at dp 2 x tp 2
 again, and into one plain process (``no_dist``): every load gives the saved full parameters
 exactly. The RaggedShard run of a TP-local tensor is written as boxes of the global tensor.
-Full state dicts load into the combined parameters too (not yet with ``broadcast_from_rank0``,
-which raises on every rank)."""
+Full state dicts load into the combined parameters too, also broadcast from rank 0."""
 
 from __future__ import annotations
 
@@ -96,22 +95,11 @@ def _load_full(full: dict[str, torch.Tensor], broadcast: bool) -> dict[str, torc
     return {n: _full(p) for n, p in model.named_parameters()}
 
 
-def _load_full_broadcast(full: dict[str, torch.Tensor]) -> str:
-    try:
-        _load_full(full, broadcast=True)
-    except ValueError as error:
-        return str(error)
-    return "no error"
-
-
-def test_full_state_dict_loads_into_tp_parameters(ranks) -> None:
-    """Every rank passing the full state dict loads exactly; ``broadcast_from_rank0`` (the
-    scatter from rank 0 reads flat runs of the global tensor) is not supported beside TP yet
-    and raises on every rank, naming the entry."""
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_full_state_dict_loads_into_tp_parameters(ranks, broadcast: bool) -> None:
+    """Every rank passing the full state dict, or rank 0 alone (``broadcast_from_rank0``: each
+    rank receives only its run of its TP-local tensor), loads exactly."""
     torch.manual_seed(9)
     full = {k: torch.randn_like(v) for k, v in build_model().state_dict().items()}
-    for rank_out in ranks.run(4, _load_full, full, False, timeout=TIMEOUT_S):
-        _assert_same(rank_out, full, "full state dict")
-    for message in ranks.run(4, _load_full_broadcast, full, timeout=TIMEOUT_S):
-        assert message.startswith("full state dict entry 'embed.weight': loading into a "
-                                  "RaggedShard DTensor needs every other mesh dim"), message
+    for rank_out in ranks.run(4, _load_full, full, broadcast, timeout=TIMEOUT_S):
+        _assert_same(rank_out, full, f"full state dict, broadcast={broadcast}")

@@ -46,6 +46,7 @@ own, errors included:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from ragged_dtensor.api import distribute_tensor as ragged_distribute_tensor
 from ragged_dtensor.api import from_local_run
+from ragged_dtensor.composed import is_tp_shard, ragged_shape
 from ragged_dtensor.consensus import _flag_device, raise_on_any_rank
 from ragged_dtensor.peer_failure import collective_guard
 from ragged_dtensor.placement import RaggedShard, find_ragged, is_ragged
@@ -79,42 +81,76 @@ def _distribute_tensor(
     return _TORCH_DISTRIBUTE_TENSOR(tensor, device_mesh, placements, src_data_rank=src_data_rank)
 
 
-def _group_runs(key: str, dtensor: DTensor, group: dist.ProcessGroup) -> list[tuple[int, int]]:
-    """The flat run ``[start, end)`` each rank of ``group`` owns, in group-rank order
-    (``(0, 0)`` for a rank outside the DTensor's mesh).
+def _group_runs(key: str, dtensor: DTensor, group: dist.ProcessGroup) -> list[_Run]:
+    """The run each rank of ``group`` owns, in group-rank order (empty for a rank outside
+    the DTensor's mesh). Beside tensor-parallel ``Shard`` placements a rank's run is a flat
+    range of its TP-local tensor (:mod:`ragged_dtensor.composed`), so the run also records
+    that tensor's box in the global one.
 
     Raises:
-        ValueError: if a mesh dim other than the ragged one is not ``Replicate`` (raised on
-            every rank alike: placements are the same everywhere).
+        ValueError: if a mesh dim other than the ragged one is neither ``Replicate`` nor a
+            tensor-parallel ``Shard`` (raised on every rank alike: placements are the same
+            everywhere).
     """
     found = find_ragged(dtensor.placements)
     assert found is not None
     mesh_dim, placement = found
-    if not all(isinstance(p, (Replicate, RaggedShard)) for p in dtensor.placements):
+    placements = dtensor.placements
+    if not all(isinstance(p, (Replicate, RaggedShard)) or is_tp_shard(p) for p in placements):
         raise ValueError(
             f"full state dict entry {key!r}: loading into a RaggedShard DTensor needs every "
-            f"other mesh dim to be Replicate, got placements {dtensor.placements}"
+            f"other mesh dim to be Replicate or Shard, got placements {placements}"
         )
+    mesh = dtensor.device_mesh
     shape = tuple(dtensor.shape)
-    by_coordinate = dtensor.device_mesh.mesh.movedim(mesh_dim, 0)
-    coordinate_of = {
-        int(rank): c for c in range(by_coordinate.shape[0]) for rank in by_coordinate[c].reshape(-1)
-    }
-    return [
-        placement.flat_range(shape, coordinate_of[rank]) if rank in coordinate_of else (0, 0)
-        for rank in dist.get_process_group_ranks(group)
-    ]
+    inner = ragged_shape(mesh, placements, shape)
+    ranks = mesh.mesh.reshape(-1).tolist()
+    index = torch.unravel_index(torch.arange(len(ranks)), tuple(mesh.mesh.shape))
+    coordinates = {rank: tuple(int(i[n]) for i in index) for n, rank in enumerate(ranks)}
+    runs = []
+    for rank in dist.get_process_group_ranks(group):
+        if rank not in coordinates:
+            runs.append(_Run(0, 0, None))
+            continue
+        coordinate = coordinates[rank]
+        start, end = placement.flat_range(inner, coordinate[mesh_dim])
+        box = None
+        if inner != shape:
+            origin, local = [0] * len(shape), list(shape)
+            for dim, p in enumerate(placements):  # outer mesh dims first, as DTensor nests them
+                if is_tp_shard(p):
+                    local[p.dim] //= mesh.size(dim)
+                    origin[p.dim] += coordinate[dim] * local[p.dim]
+            box = tuple(slice(o, o + n) for o, n in zip(origin, inner))
+        runs.append(_Run(start, end, box))
+    return runs
 
 
-def _send_buffer(full: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Run:
+    """A rank's flat run ``[start, end)`` of the full tensor, or of its box of it (the
+    TP-local tensor, beside tensor-parallel ``Shard`` placements)."""
+
+    start: int
+    end: int
+    box: tuple[slice, ...] | None
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        """The run's elements of ``full``."""
+        source = full if self.box is None else full[self.box]
+        return source.reshape(-1)[self.start:self.end]
+
+
+def _send_buffer(full: torch.Tensor, runs: list[_Run]) -> torch.Tensor:
     """Rank 0's input to the scatter: the runs in group order, one after another (the flat
     tensor itself, no copy, when they already tile it in order, as on a 1-D mesh)."""
     flat = full.reshape(-1)
-    pieces = [(start, end) for start, end in runs if end > start]
-    starts, ends = [s for s, _ in pieces], [e for _, e in pieces]
-    if not pieces or (starts == [0] + ends[:-1] and ends[-1] == flat.numel()):
+    pieces = [run for run in runs if run.end > run.start]
+    starts, ends = [r.start for r in pieces], [r.end for r in pieces]
+    if not pieces or (all(r.box is None for r in pieces) and starts == [0] + ends[:-1]
+                      and ends[-1] == flat.numel()):
         return flat
-    return torch.cat([flat[start:end] for start, end in pieces])
+    return torch.cat([run.of(full) for run in pieces])
 
 
 def scatter_full_tensor(
@@ -165,12 +201,12 @@ def scatter_full_tensor(
         and local.device == comm_device
         and local.is_contiguous()
     )
-    start, end = runs[me]
+    start, end = runs[me].start, runs[me].end
     if in_place:
         received = local.detach()
     else:
         received = torch.empty(end - start, dtype=dtype, device=comm_device)
-    sizes = [e - s for s, e in runs]
+    sizes = [run.end - run.start for run in runs]
     if me == source:
         assert full is not None
         send = _send_buffer(full.detach().to(comm_device), runs)
