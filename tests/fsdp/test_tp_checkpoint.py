@@ -15,15 +15,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
+from tests.fsdp.models import full
 from tests.fsdp.tp_models import SEQ, VOCAB, build_model, parallelize
 from tests.harness import device_mesh
 
 TIMEOUT_S = 300.0
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
 
 
 def _sharded_model(dp: int, tp: int) -> torch.nn.Module:
@@ -53,7 +49,7 @@ def _save(path: str) -> dict[str, torch.Tensor]:
         optimizer.step()
         optimizer.zero_grad()
     dcp.save(model.state_dict(), checkpoint_id=path)
-    return {n: _full(p) for n, p in model.named_parameters()}
+    return {n: full(p) for n, p in model.named_parameters()}
 
 
 def _load(path: str, dp: int, tp: int) -> dict[str, torch.Tensor]:
@@ -61,7 +57,7 @@ def _load(path: str, dp: int, tp: int) -> dict[str, torch.Tensor]:
     state = model.state_dict()
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state)
-    return {n: _full(p) for n, p in model.named_parameters()}
+    return {n: full(p) for n, p in model.named_parameters()}
 
 
 def _assert_same(got: dict[str, Any], saved: dict[str, Any], what: str) -> None:
@@ -85,14 +81,14 @@ def test_dcp_reshards_across_dp_and_tp(ranks, tmp_path: Path) -> None:
     _assert_same({n: t for n, t in plain.items()}, saved, "one process")
 
 
-def _load_full(full: dict[str, torch.Tensor], broadcast: bool) -> dict[str, torch.Tensor]:
+def _load_full(weights: dict[str, torch.Tensor], broadcast: bool) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model = _sharded_model(2, 2)
-    given = {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 or not broadcast else {}
+    given = {k: v.clone() for k, v in weights.items()} if dist.get_rank() == 0 or not broadcast else {}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
     set_model_state_dict(model, given, options=options)
-    return {n: _full(p) for n, p in model.named_parameters()}
+    return {n: full(p) for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("broadcast", [False, True])
@@ -100,6 +96,6 @@ def test_full_state_dict_loads_into_tp_parameters(ranks, broadcast: bool) -> Non
     """Every rank passing the full state dict, or rank 0 alone (``broadcast_from_rank0``: each
     rank receives only its run of its TP-local tensor), loads exactly."""
     torch.manual_seed(9)
-    full = {k: torch.randn_like(v) for k, v in build_model().state_dict().items()}
-    for rank_out in ranks.run(4, _load_full, full, broadcast, timeout=TIMEOUT_S):
-        _assert_same(rank_out, full, f"full state dict, broadcast={broadcast}")
+    weights = {k: torch.randn_like(v) for k, v in build_model().state_dict().items()}
+    for rank_out in ranks.run(4, _load_full, weights, broadcast, timeout=TIMEOUT_S):
+        _assert_same(rank_out, weights, f"full state dict, broadcast={broadcast}")

@@ -59,6 +59,15 @@ class ManagedParam:
         """Whether the parameter requires a gradient (its buffer has gradient memory)."""
         return self.sharded.requires_grad
 
+    def assigned_value(self) -> torch.Tensor | None:
+        """What a module slot holds in place of the sharded parameter (an assignment after
+        ``fully_shard``, e.g. ``load_state_dict(assign=True)``), or ``None``."""
+        for module, attr in self.slots:
+            current = module._parameters.get(attr)
+            if current is not self.sharded and current is not None:
+                return current
+        return None
+
     def register(self, param: nn.Parameter) -> None:
         """Make ``param`` the registered parameter at every slot (no ``nn.Module`` checks,
         so the swap costs a dict write per slot)."""

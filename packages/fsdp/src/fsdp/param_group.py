@@ -38,15 +38,6 @@ from fsdp.fp8 import GroupQuantizer
 from fsdp.managed_param import ManagedParam
 
 
-def _assigned_value(p: ManagedParam) -> torch.Tensor | None:
-    """What a module slot of ``p`` holds in place of its sharded parameter, if anything."""
-    for module, attr in p.slots:
-        current = module._parameters.get(attr)
-        if current is not p.sharded and current is not None:
-            return current
-    return None
-
-
 def _outside_functorch(method: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``method`` with functorch's transforms off when one is active (a first forward
     inside ``torch.func.jvp``/``vmap``): gathering and registering parameters works on the
@@ -180,7 +171,7 @@ class FSDPParamGroup:
         for index, buffer in enumerate(list(self.buffers)):
             params = list(self._params_of(buffer))
             assigned = {p.name: value for p in params
-                        if (value := _assigned_value(p)) is not None}
+                        if (value := p.assigned_value()) is not None}
             if not assigned:
                 continue
             if buffer.device.type == "meta" and any(not v.is_meta for v in assigned.values()):

@@ -179,9 +179,12 @@ class FSDPState:
             for group in state.groups:
                 # what the module holds: a value assigned in place of the sharded parameter
                 # (load_state_dict(assign=True)) is taken in at the group's first unshard
-                held = [(p, module._parameters[attr]) for p in group.params
-                        for module, attr in p.slots[:1]]
-                on_meta = [names.get(id(value), p.name) for p, value in held if value.is_meta]
+                on_meta = []
+                for p in group.params:
+                    value = p.assigned_value()
+                    value = p.sharded if value is None else value
+                    if value.is_meta:
+                        on_meta.append(names.get(id(value), p.name))
                 if on_meta:
                     raise RuntimeError(
                         "FSDP parameters should be materialized from meta device before "

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate
 
-from ragged_dtensor.composed import is_tp_shard, ragged_shape
+from ragged_dtensor.composed import is_tp_shard, ragged_shape, tp_origin
 from ragged_dtensor.flat_boxes import Box, box_first_index, box_strides, flat_range_boxes
 from ragged_dtensor.placement import RaggedShard, find_ragged
 
@@ -99,13 +99,10 @@ def local_boxes(dtensor: DTensor) -> LocalBoxes:
     mesh_dim, placement = found
     mesh, placements, shape = dtensor.device_mesh, dtensor.placements, tuple(dtensor.shape)
     inner = ragged_shape(mesh, placements, shape)
-    origin, local = [0] * len(shape), list(shape)
-    for dim, p in enumerate(placements):  # outer mesh dims first, as DTensor nests them
-        if is_tp_shard(p):
-            local[p.dim] //= mesh.size(dim)
-            origin[p.dim] += mesh.get_local_rank(dim) * local[p.dim]
-    start, end = placement.flat_range(inner, mesh.get_local_rank(mesh_dim))
-    return LocalBoxes(_cached_boxes(inner, start, end), inner, tuple(origin), start)
+    coordinate = [mesh.get_local_rank(dim) for dim in range(mesh.ndim)]
+    origin = tp_origin(mesh, placements, shape, coordinate)
+    start, end = placement.flat_range(inner, coordinate[mesh_dim])
+    return LocalBoxes(_cached_boxes(inner, start, end), inner, origin, start)
 
 
 def _box_view(dtensor: DTensor, where: LocalBoxes, box: Box) -> torch.Tensor:

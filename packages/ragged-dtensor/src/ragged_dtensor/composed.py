@@ -91,6 +91,29 @@ def ragged_shape(mesh: DeviceMesh, placements: Sequence[Placement],
     return tuple(local)
 
 
+def tp_origin(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int],
+              coordinate: Sequence[int]) -> tuple[int, ...]:
+    """Where the TP-local tensor of the rank at mesh ``coordinate`` starts in the global
+    tensor (zeros without ``Shard`` placements): the ``Shard`` cuts nest outer mesh dims
+    first, as DTensor nests them. Its shape is :func:`ragged_shape`.
+
+    Args:
+        mesh: the DTensor's mesh.
+        placements: its placements, one per mesh dim.
+        shape: its global shape.
+        coordinate: the rank's index along every mesh dim.
+
+    Returns:
+        The global offsets of the TP-local tensor.
+    """
+    origin, local = [0] * len(shape), list(shape)
+    for mesh_dim, p in enumerate(placements):
+        if is_tp_shard(p):
+            local[p.dim] //= mesh.size(mesh_dim)
+            origin[p.dim] += coordinate[mesh_dim] * local[p.dim]
+    return tuple(origin)
+
+
 def spec_ragged_shape(spec: DTensorSpec) -> tuple[int, ...]:
     """:func:`ragged_shape` of a spec."""
     return ragged_shape(spec.mesh, spec.placements, tuple(spec.shape))

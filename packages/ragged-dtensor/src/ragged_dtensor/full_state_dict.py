@@ -58,7 +58,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from ragged_dtensor.api import distribute_tensor as ragged_distribute_tensor
 from ragged_dtensor.api import from_local_run
-from ragged_dtensor.composed import is_tp_shard, ragged_shape
+from ragged_dtensor.composed import is_tp_shard, ragged_shape, tp_origin
 from ragged_dtensor.consensus import _flag_device, raise_on_any_rank
 from ragged_dtensor.peer_failure import collective_guard
 from ragged_dtensor.placement import RaggedShard, find_ragged, is_ragged
@@ -116,11 +116,7 @@ def _group_runs(key: str, dtensor: DTensor, group: dist.ProcessGroup) -> list[_R
         start, end = placement.flat_range(inner, coordinate[mesh_dim])
         box = None
         if inner != shape:
-            origin, local = [0] * len(shape), list(shape)
-            for dim, p in enumerate(placements):  # outer mesh dims first, as DTensor nests them
-                if is_tp_shard(p):
-                    local[p.dim] //= mesh.size(dim)
-                    origin[p.dim] += coordinate[dim] * local[p.dim]
+            origin = tp_origin(mesh, placements, shape, coordinate)
             box = tuple(slice(o, o + n) for o, n in zip(origin, inner))
         runs.append(_Run(start, end, box))
     return runs
