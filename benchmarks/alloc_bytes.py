@@ -33,6 +33,7 @@ import bisect
 import ctypes
 import itertools
 import os
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,8 +117,34 @@ class Timeline:
         return best, when
 
     def live_at(self, t_ns: int) -> list[Allocation]:
-        """Every allocation holding bytes at ``t_ns``."""
-        return [a for a in self.allocations if a.live_at(t_ns)]
+        """Every allocation holding bytes at ``t_ns``.
+
+        A block freed on a worker thread while that thread allocated as much leaves no jump
+        in ``total_allocated``, so its free is never seen and it looks live past its end.
+        When the open allocations add up to more than the allocator's count, the excess is
+        taken off as the oldest set of blocks that may die on a worker (made there, or by a
+        collective) whose sizes add up to it exactly; if no set does, nothing is taken off
+        and the difference shows as unattributed."""
+        live = [a for a in self.allocations if a.live_at(t_ns)]
+        excess = sum(a.nbytes for a in live) - self.bytes_at(t_ns)
+        if excess <= 0:
+            return live
+        maybe_freed = [a for a in live if a.scopes == (WORKER_SCOPE,)
+                       or any(s.startswith("c10d::") for s in a.scopes)]
+        dropped = _subset_with_sum(maybe_freed, excess)
+        return live if dropped is None else [a for a in live if a not in dropped]
+
+
+def _subset_with_sum(allocations: list[Allocation], total: int) -> list[Allocation] | None:
+    """The first (oldest-first) subset of ``allocations`` whose sizes add up to ``total``."""
+    reach: dict[int, list[Allocation]] = {0: []}
+    for alloc in allocations:
+        for reached, chosen in list(reach.items()):
+            if reached + alloc.nbytes <= total:
+                reach.setdefault(reached + alloc.nbytes, [*chosen, alloc])
+        if total in reach:
+            return reach[total]
+    return None
 
 
 @dataclass
@@ -190,10 +217,10 @@ class AllocatorTrace:
         times, live = [], []
         open_allocs: dict[int, tuple[int, int, tuple[str, ...]]] = {}
         done: list[tuple[int, int, int, int | None, tuple[str, ...]]] = []
-        base, previous, silent = 0, None, []
+        base, previous = 0, None
         for t, ptr, size, total, scopes in events:
             if previous is not None:
-                _account_unseen(previous + size - total, t, silent, open_allocs, done)
+                _account_unseen(previous + size - total, t, open_allocs, done)
             previous = total
             if size > 0 and size in marker_sizes and size not in instants:
                 instants[size] = t
@@ -239,27 +266,56 @@ class AllocatorTrace:
         return found
 
 
-def _account_unseen(unseen: int, t_ns: int, silent: list[int],
+WORKER_SCOPE = "gloo: worker thread"
+"""The scope of an allocation seen only as a jump of ``total_allocated`` (made on a thread
+without profiler state); such an allocation gets the fake address ``-t_ns``."""
+
+
+def _account_unseen(unseen: int, t_ns: int,
                     open_allocs: dict[int, tuple[int, int, tuple[str, ...]]],
                     done: list[tuple[int, int, int, int | None, tuple[str, ...]]]) -> None:
     """Account for allocator activity without events between two events (gloo's worker
     threads have no profiler state: what they allocate or free shows only as a jump of the
-    next event's ``total_allocated``). ``unseen < 0``: bytes allocated silently, kept in
-    ``silent``. ``unseen > 0``: bytes freed silently: a silent allocation of that size if
-    there is one, else the oldest open allocation of exactly that size (a tensor whose last
-    reference died on such a thread, e.g. a collective's input), closed at ``t_ns``. Several
-    silent frees between two events stay unmatched: they show as unattributed bytes."""
+    next event's ``total_allocated``). ``unseen < 0``: bytes allocated silently, opened as an
+    allocation in :data:`WORKER_SCOPE`. ``unseen > 0``: bytes freed silently: one freed block
+    or, failing that, two whose sizes add up (a worker that frees a collective's input and its
+    staging copy before the next event). Which block of a size is timing-dependent, so
+    :func:`_close_freed` prefers the likeliest. Three or more silent frees between two events
+    stay unmatched: they show as unattributed bytes."""
     if unseen < 0:
-        silent.append(-unseen)
-    elif unseen > 0:
-        if unseen in silent:
-            silent.remove(unseen)
+        open_allocs[-t_ns] = (t_ns, -unseen, (WORKER_SCOPE,))
+        return
+    if unseen == 0 or _close_freed(unseen, t_ns, open_allocs, done):
+        return
+    sizes = Counter(n for _, n, _ in open_allocs.values())
+    for first in sorted(sizes):
+        second = unseen - first
+        if second > 0 and sizes[second] >= 1 + (second == first):
+            _close_freed(first, t_ns, open_allocs, done)
+            _close_freed(second, t_ns, open_allocs, done)
             return
-        matches = [(start, ptr) for ptr, (start, n, _) in open_allocs.items() if n == unseen]
-        if matches:
-            start, ptr = min(matches)
-            _, nbytes, where = open_allocs.pop(ptr)
-            done.append((start, ptr, nbytes, t_ns, where))
+
+
+def _close_freed(nbytes: int, t_ns: int,
+                 open_allocs: dict[int, tuple[int, int, tuple[str, ...]]],
+                 done: list[tuple[int, int, int, int | None, tuple[str, ...]]]) -> bool:
+    """Close one open block of ``nbytes`` freed silently at ``t_ns``, preferring one made on
+    a worker thread, then one a collective made (gloo's staging copies die on its worker
+    threads; an unsharded buffer of the same size does not), then the oldest. False when there
+    is none."""
+    def likeliest(item: tuple[int, tuple[int, int, tuple[str, ...]]]) -> tuple[int, int]:
+        ptr, (start, _, scopes) = item
+        rank = 0 if scopes == (WORKER_SCOPE,) else 1 if any(
+            s.startswith("c10d::") for s in scopes) else 2
+        return rank, start
+
+    matches = [item for item in open_allocs.items() if item[1][1] == nbytes]
+    if not matches:
+        return False
+    ptr, _ = min(matches, key=likeliest)
+    start, size, where = open_allocs.pop(ptr)
+    done.append((start, ptr, size, t_ns, where))
+    return True
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:

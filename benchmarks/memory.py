@@ -24,8 +24,9 @@ otherwise by the profiler scope that allocated it (fsdp's flat buffers are alloc
 all-gather output and reduce-scatter buffers inside ``mem::`` scopes of its custom-collective
 hooks; ``FSDP::all_gather_copy_out`` allocates FSDP2's unsharded parameters). What is left is
 split by when it was allocated: during this step's forward (activations) or later
-(temporaries). The rest of the allocator's count (bytes allocated on threads without
-profiler events, i.e. gloo's workers) is reported as unattributed.
+(temporaries). Bytes allocated on threads without profiler events (gloo's workers) show
+only as jumps of the allocator's count: they count as collectives; what no block accounts
+for is reported as unattributed.
 
 The CPU time spent in the systems' hooks is ``benchmarks/hook_overhead.py``'s.
 

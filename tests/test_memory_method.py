@@ -75,10 +75,11 @@ def _largest(results: list[dict[str, Any]], phase: str) -> int:
 
 @pytest.fixture(scope="module")
 def figures(ranks: Any) -> dict[str, list[dict[str, Any]]]:
-    """Each system's per-rank figures on the small model (fp32, with breakdowns), and a
-    second FSDP2 run."""
-    return {name: ranks.run(2, _peaks, system, False, True, timeout=240)
-            for name, system in (("fsdp2", "fsdp2"), ("fsdp2_again", "fsdp2"), ("fsdp", "fsdp"))}
+    """Each system's per-rank figures on the small model (fp32, with breakdowns), twice: when
+    a gloo worker frees a collective's buffer races the training thread, so a peak is each
+    system's smaller of two runs (``cpu-facts.md``)."""
+    return {f"{system}{again}": ranks.run(2, _peaks, system, False, True, timeout=240)
+            for again in ("", "_again") for system in ("fsdp2", "fsdp")}
 
 
 PHASES = ("forward", "backward", "optimizer", "between")
@@ -125,7 +126,9 @@ ISSUE_15 = "issue 15: fsdp's backward and optimizer-step peaks exceed FSDP2's on
     pytest.param("optimizer", marks=pytest.mark.xfail(strict=True, raises=AssertionError,
                                                       reason=ISSUE_15))])
 def test_fsdp_phase_at_most_fsdp2(figures: dict[str, Any], phase: str) -> None:
-    assert _largest(figures["fsdp"], phase) <= _largest(figures["fsdp2"], phase)
+    ours, theirs = (min(_largest(figures[f"{system}{again}"], phase) for again in ("", "_again"))
+                    for system in ("fsdp", "fsdp2"))
+    assert ours <= theirs
 
 
 def test_fsdp_frees_sharded_grads_after_zero_grad(figures: dict[str, Any]) -> None:
@@ -183,16 +186,36 @@ def test_development_page_example_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_silent_frees_close_the_right_allocation() -> None:
     """A free on a thread without profiler events shows only as a drop of the allocator's
-    count: it cancels a silent allocation of its size first, else closes the oldest open
-    allocation of exactly that size."""
+    count: it closes an open block of that size, one made on a worker thread first, then one a
+    collective made, then the oldest; failing one block, two whose sizes add up."""
     alloc_bytes = _load("alloc_bytes")
-    open_allocs = {1: (10, 64, ("a",)), 2: (20, 64, ("b",)), 3: (30, 8, ("c",))}
+    worker = (alloc_bytes.WORKER_SCOPE,)
+    staging = ("FSDP::all_gather", "c10d::_allgather_base_", "aten::empty")
+    open_allocs = {1: (10, 64, ("a",)), 2: (20, 64, ("b",)), 3: (30, 8, ("c",)),
+                   4: (35, 64, staging)}
     done: list[Any] = []
-    silent: list[int] = []
-    alloc_bytes._account_unseen(-64, 40, silent, open_allocs, done)  # gloo allocates 64
-    alloc_bytes._account_unseen(64, 50, silent, open_allocs, done)  # ... and frees it
-    assert (silent, done, len(open_allocs)) == ([], [], 3)
-    alloc_bytes._account_unseen(64, 60, silent, open_allocs, done)  # a traced tensor dies there
-    assert done == [(10, 1, 64, 60, ("a",))] and set(open_allocs) == {2, 3}
-    alloc_bytes._account_unseen(5, 70, silent, open_allocs, done)  # no such size: unmatched
-    assert len(done) == 1 and set(open_allocs) == {2, 3}
+    alloc_bytes._account_unseen(-64, 40, open_allocs, done)  # gloo allocates 64
+    assert open_allocs[-40] == (40, 64, worker)
+    alloc_bytes._account_unseen(64, 50, open_allocs, done)  # ... and frees it
+    assert done == [(40, -40, 64, 50, worker)] and set(open_allocs) == {1, 2, 3, 4}
+    alloc_bytes._account_unseen(64, 60, open_allocs, done)  # a collective's staging copy dies
+    assert done[-1] == (35, 4, 64, 60, staging) and set(open_allocs) == {1, 2, 3}
+    alloc_bytes._account_unseen(72, 70, open_allocs, done)  # 64 + 8 freed between two events
+    assert done[-2:] == [(30, 3, 8, 70, ("c",)), (10, 1, 64, 70, ("a",))]
+    alloc_bytes._account_unseen(5, 80, open_allocs, done)  # no such size: unmatched
+    assert len(done) == 4 and set(open_allocs) == {2}
+
+
+def test_unseen_frees_are_taken_off_the_live_set() -> None:
+    """A block freed on a worker while that worker allocated as much leaves no trace; the
+    live set is reconciled with the allocator's count by taking off blocks a collective or a
+    worker made, and only an exact sum is taken off."""
+    alloc_bytes = _load("alloc_bytes")
+    Allocation = alloc_bytes.Allocation
+    kept = Allocation(1, 100, 0, None, ("aten::empty",))
+    staged = Allocation(2, 40, 1, None, ("c10d::_allgather_base_", "aten::empty"))
+    worker = Allocation(-3, 24, 2, None, (alloc_bytes.WORKER_SCOPE,))
+    timeline = alloc_bytes.Timeline([0, 1, 2, 3], [100, 140, 164, 124], [kept, staged, worker], {})
+    assert timeline.live_at(3) == [kept, worker]  # 164 open, 124 counted: the staging copy died
+    timeline.live[-1] = 130  # 34 too many: no set of blocks makes it, nothing is taken off
+    assert timeline.live_at(3) == [kept, staged, worker]
