@@ -6,7 +6,7 @@ still there, whole and loadable (nothing already saved is lost). Not repeated he
 tests/fsdp/test_behaviour.py::test_bad_inputs_raise_clear_errors_on_every_rank, world size 2):
 parameters shared across groups, top-down wrapping, mixed meta devices, shapes differing across
 ranks, a 0-D parameter, ModuleList, unit_policy returning 0, Shard(1), an int
-reshard_after_forward, set_custom_all_gather, an empty parameter. Nor the checkpoint cases of
+reshard_after_forward, a set_custom_all_gather comm without the interface, an empty parameter. Nor the checkpoint cases of
 tests/fsdp/test_checkpoint_io.py (world size 2, on every rank): an empty directory (not a
 checkpoint), a truncated checkpoint, a checkpoint of another model, a negative or non-int step,
 keep_last 0, a non-JSON extra, an existing step.
@@ -114,8 +114,8 @@ CASES: dict[str, tuple[Callable[[Path], object], type[BaseException], str]] = {
                                                      ValueError, r"expected a module fully_shard was applied to"),
     "set_modules_to_backward_prefetch-int": (_setter("set_modules_to_backward_prefetch", 3), TypeError,
                                              r"modules must be a list of modules .*, got int"),
-    "set_custom_reduce_scatter": (_setter("set_custom_reduce_scatter", None), NotImplementedError,
-                                  r"set_custom_reduce_scatter"),
+    "set_custom_reduce_scatter-str": (_setter("set_custom_reduce_scatter", "nccl"), TypeError,
+                                      r"set_custom_reduce_scatter: comm must be None or a callable .*, got str"),
     "register_fsdp_forward_method-unknown": (_forward_method, ValueError, r"has no method 'generate'"),
     "optimizer_in_backward-plain-module": (_in_backward(_linear, lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
                                            TypeError, r"Sequential is not a module fully_shard was applied to"),

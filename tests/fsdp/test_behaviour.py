@@ -110,7 +110,7 @@ def _bad_inputs() -> dict[str, str]:
     out["int_reshard"] = _error_of(lambda: fsdp.fully_shard(build_model(), mesh=mesh,
                                                             reshard_after_forward=3))
     module = fsdp.fully_shard(nn.Linear(4, 4), mesh=mesh)
-    out["custom_all_gather"] = _error_of(lambda: module.set_custom_all_gather(None))
+    out["custom_all_gather"] = _error_of(lambda: module.set_custom_all_gather(object()))
     out["empty_param"] = _error_of(lambda: fsdp.fully_shard(nn.Linear(0, 4), mesh=mesh))
     return out
 
@@ -137,7 +137,8 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(ranks):
     assert out["unit_zero"].startswith("ValueError") and "'pos'" in out["unit_zero"]
     assert "Shard(1)" in out["shard1"] and "unit_policy" in out["shard1"]
     assert out["int_reshard"].startswith("ValueError") and "factor of 2, not 3" in out["int_reshard"]
-    assert out["custom_all_gather"].startswith("NotImplementedError")
+    assert out["custom_all_gather"].startswith("TypeError") and (
+        "set_custom_all_gather: comm must be None or a callable" in out["custom_all_gather"])
     assert "'weight'" in out["empty_param"] and "no elements" in out["empty_param"]
 
 

@@ -9,5 +9,5 @@ PAGE = "fsdp-migration.md"
 
 def test_migration_page_runs_on_two_ranks(ranks) -> None:
     blocks = python_blocks(PAGE)
-    assert len(blocks) == 13
+    assert len(blocks) == 14
     assert ranks.run(2, exec_source, "\n".join(blocks), PAGE) == [True, True]

@@ -7,9 +7,9 @@ place. See :class:`dbuffer.DBuffer` and :mod:`dbuffer.kernels`.
 
 from dbuffer import kernels
 from dbuffer.buffer import DBuffer
-from dbuffer.collectives import CollectiveHandle
+from dbuffer.collectives import AllGatherComm, CollectiveHandle, ReduceScatterComm
 from dbuffer.errors import SUPPORTED_DTYPES, FreedBufferError
 from dbuffer.freed import is_released, release_in_place
 
-__all__ = ["SUPPORTED_DTYPES", "CollectiveHandle", "DBuffer", "FreedBufferError", "is_released", "kernels",
-           "release_in_place"]
+__all__ = ["SUPPORTED_DTYPES", "AllGatherComm", "CollectiveHandle", "DBuffer", "FreedBufferError",
+           "ReduceScatterComm", "is_released", "kernels", "release_in_place"]

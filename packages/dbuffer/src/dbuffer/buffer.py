@@ -38,9 +38,13 @@ from torch.profiler import record_function
 
 from dbuffer import kernels
 from dbuffer.collectives import (
+    AllGatherComm,
     CollectiveHandle,
+    ReduceScatterComm,
     all_gather_into,
     all_reduce_sum,
+    allocate,
+    check_comm,
     reduce_scatter_into,
 )
 from dbuffer.errors import FreedBufferError, check_consistent, check_dtype, check_gradient_dtype
@@ -173,6 +177,8 @@ class DBuffer:
                 self._grad_stash = FlatBuffer(self.world_size * S, self.reduce_dtype, self.device,
                                               "gradient stash", allocated=False,
                                               hint="call stash_grad() first")
+        self._all_gather_comm: AllGatherComm | None = None
+        self._reduce_scatter_comm: ReduceScatterComm | None = None
         self._views: dict[tuple[str, str], torch.Tensor] = {}
         self._dtensors: dict[tuple[str, str], DTensor] = {}
         # The last gradient fold_grad took per tensor (object and version), so the
@@ -396,7 +402,9 @@ class DBuffer:
         piece = self._current_piece()
         self._piece = None
         group = self.topology.shard_group if piece is None else piece.group
-        self._unsharded.allocate()
+        comm = self._all_gather_comm
+        self._unsharded.allocate(self._new(comm, self.world_size * S, self.compute_dtype,
+                                           self._unsharded.what))
         keep_version = torch.autograd._unsafe_preserve_version_counter(self._unsharded.tensor)
         with record_function("dbuffer::all_gather"), self._unsharded.writing() as out:
             if piece is not None:
@@ -406,11 +414,54 @@ class DBuffer:
             else:
                 shard = out.narrow(0, self.rank * S, S)
                 kernels.copy_cast_(shard, self._sharded.tensor)
-            work = all_gather_into(out, shard, group, async_op)
+            work = all_gather_into(out, shard, group, async_op, comm)
         if not async_op:
             return None
         guard = collective_guard("all_gather", group)
         return CollectiveHandle(work, guard, keep_version=keep_version)
+
+    # ------------------------------------------------------------- custom collectives
+    def set_custom_all_gather(self, comm: AllGatherComm | None) -> None:
+        """Run the all-gather with ``comm`` (FSDP2's ``AllGather`` interface), ``None`` for
+        the default: ``comm.allocate`` then provides the unsharded parameter buffer (the
+        collective's output; e.g. from a memory pool the backend registered) and
+        ``comm(output_tensor=, input_tensor=, group=, async_op=)`` fills it from the shard,
+        on every group size. The buffer is still freed and restored in place, so the
+        parameter views handed out keep working on the comm's memory.
+
+        Args:
+            comm: the custom all-gather, or ``None``.
+
+        Raises:
+            TypeError: when ``comm`` lacks the interface.
+        """
+        check_comm(comm, "set_custom_all_gather")
+        self._all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatterComm | None) -> None:
+        """Run the reduce-scatter with ``comm`` (FSDP2's ``ReduceScatter`` interface),
+        ``None`` for the default: ``comm.allocate`` then provides every buffer the collective
+        touches (the unsharded gradient buffer or the reduce-dtype copy it reads, the sharded
+        gradients or the temporary it writes) and ``comm(output_tensor=, input_tensor=,
+        group=, op=SUM, async_op=)`` runs it on groups of more than one rank (a one-rank
+        group copies, as FSDP2 does). Averaging stays DBuffer's fused division.
+
+        Args:
+            comm: the custom reduce-scatter, or ``None``.
+
+        Raises:
+            TypeError: when ``comm`` lacks the interface.
+        """
+        check_comm(comm, "set_custom_reduce_scatter")
+        self._reduce_scatter_comm = comm
+
+    def _new(self, comm: AllGatherComm | ReduceScatterComm | None, numel: int,
+             dtype: torch.dtype, what: str) -> Callable[[], torch.Tensor] | None:
+        """How a flat buffer that ``comm``'s collective touches gets its memory (``None``:
+        the device allocator)."""
+        if comm is None:
+            return None
+        return lambda: allocate(comm, numel, dtype, self.device, what)
 
     def _check_on_device(self, op: str) -> None:
         """Raise before a collective on a meta-device buffer (every rank built its buffer on
@@ -546,7 +597,8 @@ class DBuffer:
     def _allocated_grad(self) -> FlatBuffer:
         """The unsharded gradient buffer, allocated zero-filled (one launch) if freed."""
         grad = self._require_grad_buffer()
-        if grad.allocate():
+        if grad.allocate(self._new(self._reduce_scatter_comm, grad.numel, self.compute_dtype,
+                                   grad.what)):
             kernels.zero_(grad.tensor)
         return grad
 
@@ -713,6 +765,7 @@ class DBuffer:
         # raising here would leave the other ranks waiting in the collective.
         self._fold_replaced_grads()
         grad = self._allocated_grad()
+        comm = self._reduce_scatter_comm
         ranks = self.world_size * self.topology.replicate_size
         factor = 1.0 / ranks if op == "avg" else 1.0
         pre, post = (factor, 1.0) if predivide else (1.0, factor)
@@ -728,22 +781,26 @@ class DBuffer:
             if pre != 1.0:  # scaled in place: the unsharded gradients are consumed anyway
                 kernels.scale_(full, pre)
         else:
-            full = torch.empty(grad.tensor.numel(), dtype=self.reduce_dtype, device=self.device)
+            full = allocate(comm, grad.tensor.numel(), self.reduce_dtype, self.device,
+                            "reduce-dtype copy of the unsharded gradients")
             kernels.copy_cast_(full, grad.tensor, pre)
         if free_grad and full is not grad.tensor:
             self._release_grad()  # the collective reads the reduce-dtype copy or the stash
         partial_only = not all_reduce and self.topology.replicate_group is not None
         accumulate = self._sharded_grad is not None
-        if not accumulate and not partial_only:
-            self._sharded_grad = torch.empty(self.shard_size, dtype=self.dtype,
-                                             device=self.device)
-        sharded_grad = self._sharded_grad
         direct = not accumulate and self.reduce_dtype == self.dtype and not partial_only
+        if not accumulate and not partial_only:
+            self._sharded_grad = (allocate(comm, self.shard_size, self.dtype, self.device,
+                                           "sharded gradients") if direct else
+                                  torch.empty(self.shard_size, dtype=self.dtype,
+                                              device=self.device))
+        sharded_grad = self._sharded_grad
         if direct:
             out = sharded_grad
         else:
-            out = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
-        work = reduce_scatter_into(out, full, self.topology.shard_group, async_op)
+            out = allocate(comm, self.shard_size, self.reduce_dtype, self.device,
+                           "reduce-scatter output")
+        work = reduce_scatter_into(out, full, self.topology.shard_group, async_op, comm)
 
         def finish() -> None:
             with record_function("dbuffer::reduce_scatter_finish"):
@@ -849,8 +906,10 @@ class DBuffer:
         if self._grad_stash is None or not grad.allocated:
             return
         self._fold_replaced_grads()
-        if self._grad_stash.allocate():
-            kernels.zero_(self._grad_stash.tensor)
+        stash = self._grad_stash
+        if stash.allocate(self._new(self._reduce_scatter_comm, stash.numel, self.reduce_dtype,
+                                    stash.what)):
+            kernels.zero_(stash.tensor)
         kernels.add_(self._grad_stash.tensor, grad.tensor)
         self._release_grad()
 

@@ -15,12 +15,18 @@ output already is the shard or receives it by one local copy, the reduce-scatter
 the whole input (one copy unless it is the same memory), and the all-reduce is the identity.
 float8 buffers travel as bytes (``.view(torch.uint8)``): gloo has no float8 type, and an
 all-gather moves bytes without arithmetic.
+
+A caller may replace either collective with its own (:class:`AllGatherComm`,
+:class:`ReduceScatterComm`: FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``
+interface): the object then allocates the buffers that collective touches
+(:func:`allocate`) and runs it on them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -68,6 +74,67 @@ class CollectiveHandle:
         return self._done
 
 
+class AllGatherComm(Protocol):
+    """A custom all-gather (FSDP2's ``AllGather``): where its buffers come from, and the
+    collective itself (``output_tensor`` receives every rank's ``input_tensor`` in rank
+    order)."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor: ...
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None: ...
+
+
+class ReduceScatterComm(Protocol):
+    """A custom reduce-scatter (FSDP2's ``ReduceScatter``): where its buffers come from, and
+    the collective itself (``output_tensor`` receives this rank's slice of the ``op``
+    reduction of ``input_tensor``)."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor: ...
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: dist.ReduceOp,
+                 async_op: bool = False) -> dist.Work | None: ...
+
+
+def check_comm(comm: object, setter: str) -> None:
+    """Raise ``TypeError`` naming ``setter`` unless ``comm`` is ``None`` or has the custom
+    collective interface (a callable with a callable ``allocate``)."""
+    if comm is not None and not (callable(comm) and callable(getattr(comm, "allocate", None))):
+        raise TypeError(f"{setter}: comm must be None or a callable with an "
+                        "allocate(size, *, dtype, device) method (FSDP2's AllGather / "
+                        f"ReduceScatter interface), got {type(comm).__name__}")
+
+
+def allocate(comm: AllGatherComm | ReduceScatterComm | None, numel: int, dtype: torch.dtype,
+             device: torch.device, what: str) -> torch.Tensor:
+    """A new 1-D buffer of ``numel`` elements for a collective: ``torch.empty``, or the
+    custom comm's ``allocate``, checked to own exactly that memory (DBuffer frees and
+    restores buffers in place, which needs a storage of its own).
+
+    Raises:
+        TypeError: when the comm returns anything else, naming the comm and the buffer.
+    """
+    if comm is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    tensor = comm.allocate((numel,), dtype=dtype, device=device)
+    nbytes = numel * dtype.itemsize
+    if not (isinstance(tensor, torch.Tensor) and tensor.dtype == dtype
+            and tensor.device == device and tensor.numel() == numel and tensor.is_contiguous()
+            and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == nbytes):
+        got = (f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device} (storage of "
+               f"{tensor.untyped_storage().nbytes()} bytes at offset {tensor.storage_offset()})"
+               if isinstance(tensor, torch.Tensor) else type(tensor).__name__)
+        raise TypeError(f"{type(comm).__name__}.allocate(({numel},), dtype={dtype}, "
+                        f"device={device}) for the {what} returned {got}; it must return a new "
+                        f"contiguous tensor of exactly {numel} elements ({nbytes} bytes) that "
+                        "owns its memory")
+    return tensor.view(numel)
+
+
 def _is_single(group: dist.ProcessGroup) -> bool:
     return dist.get_world_size(group) == 1
 
@@ -84,29 +151,39 @@ def _local_copy(output: torch.Tensor, source: torch.Tensor) -> None:
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
-                    async_op: bool) -> dist.Work | None:
+                    async_op: bool, comm: AllGatherComm | None = None) -> dist.Work | None:
     """Gather every rank's ``shard`` into ``output`` (rank r's at ``[r*S, (r+1)*S)``).
 
     ``shard`` may be the slice of ``output`` this rank owns (an in-place all-gather). On a
     one-rank group: a local copy (none for an in-place gather), no collective, ``None``.
+    A custom ``comm`` runs instead, on every group size (as FSDP2 calls it).
     """
-    if _is_single(group):
+    if comm is None and _is_single(group):
         _local_copy(output, shard)
         return None
     with record_function("comm:all_gather"), collective_guard("all_gather", group):
+        if comm is not None:
+            return comm(output_tensor=_wire(output), input_tensor=_wire(shard), group=group,
+                        async_op=async_op)
         return dist.all_gather_single(_wire(output), _wire(shard), group=group,
                                       async_op=async_op)
 
 
 def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
-                        async_op: bool) -> dist.Work | None:
-    """Sum ``full`` over the ranks and leave this rank's ``S``-element slice in ``output``.
+                        async_op: bool, comm: ReduceScatterComm | None = None
+                        ) -> dist.Work | None:
+    """Sum ``full`` over the ranks and leave this rank's ``S``-element slice in ``output``,
+    with a custom ``comm`` if given.
 
-    On a one-rank group: a local copy (none when ``output`` is ``full``), ``None``."""
+    On a one-rank group: a local copy (none when ``output`` is ``full``), ``None``, custom
+    comm or not (FSDP2 calls none there either)."""
     if _is_single(group):
         _local_copy(output, full)
         return None
     with record_function("comm:reduce_scatter"), collective_guard("reduce_scatter", group):
+        if comm is not None:
+            return comm(output_tensor=output, input_tensor=full, group=group,
+                        op=dist.ReduceOp.SUM, async_op=async_op)
         return dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group,
                                           async_op=async_op)
 

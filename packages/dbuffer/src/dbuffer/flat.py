@@ -12,7 +12,7 @@ handed out (the flat tensor and each :meth:`view`) is fenced while freed (:mod:`
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -69,23 +69,38 @@ class FlatBuffer:
         return self._tensor
 
     @property
+    def numel(self) -> int:
+        """Elements, whether the memory is allocated or not."""
+        return self._numel
+
+    @property
     def allocated(self) -> bool:
         """Whether the storage currently holds memory."""
         return self._allocated
 
-    def allocate(self) -> bool:
+    def allocate(self, new: Callable[[], torch.Tensor] | None = None) -> bool:
         """Restore the memory (contents undefined) if freed.
+
+        Args:
+            new: where the memory comes from (a custom collective's allocator: it returns a
+                new 1-D tensor of this buffer's size that owns its memory; its memory moves
+                into this buffer's storage, so every view handed out sees it). Default:
+                this buffer's device allocator.
 
         Returns:
             True when the memory was freed (or never allocated) and is now allocated.
         """
         if self._storage is None:
-            self._set_tensor(torch.empty(self._numel, dtype=self._dtype, device=self._device))
+            self._set_tensor(new() if new is not None else
+                             torch.empty(self._numel, dtype=self._dtype, device=self._device))
             return True
         if self.allocated:
             return False
         self._storage._swap_data_ptr_(self._marked)
-        self._storage.resize_(self._nbytes)
+        if new is not None:
+            self._storage._swap_data_ptr_(new().untyped_storage())
+        else:
+            self._storage.resize_(self._nbytes)
         self._allocated = True
         for view, _ in self._views:
             unfence(view)

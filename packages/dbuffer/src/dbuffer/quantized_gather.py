@@ -33,7 +33,7 @@ from torch.profiler import record_function
 from dbuffer import kernels
 from dbuffer.blockwise_fp8 import BlockwiseFormat, tile_unit
 from dbuffer.buffer import DBuffer
-from dbuffer.collectives import CollectiveHandle, all_gather_into
+from dbuffer.collectives import CollectiveHandle, all_gather_into, allocate
 from dbuffer.kernels.fp8 import TileRun, TileTable, dequantize_tiles, quantize_tiles
 
 _SEGMENT_ALIGN = 16
@@ -229,8 +229,10 @@ class QuantizedGather:
         group = buffer.topology.shard_group
         with record_function("dbuffer::fp8_all_gather"):
             segment = self.local_segment()
-            gathered = torch.empty(self.wire_bytes, dtype=torch.uint8, device=buffer.device)
-            work = all_gather_into(gathered, segment, group, async_op)
+            comm = buffer._all_gather_comm
+            gathered = allocate(comm, self.wire_bytes, torch.uint8, buffer.device,
+                                "FP8 all-gather output")
+            work = all_gather_into(gathered, segment, group, async_op, comm)
         unsharded = buffer._unsharded
         unsharded.allocate()
 

@@ -14,6 +14,7 @@ from typing import Any, NoReturn, overload
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from dbuffer import AllGatherComm, ReduceScatterComm
 from ragged_dtensor import raise_on_any_rank
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -473,15 +474,44 @@ class FSDPModule:
         for group in self._get_fsdp_state().groups:
             group.config.reduce_scatter_unused_params = reduce_scatter_unused_params
 
-    def set_custom_all_gather(self, comm: Any) -> None:
-        """Not supported: the all-gather runs in place on the DBuffer."""
-        raise NotImplementedError("set_custom_all_gather: fsdp all-gathers in place into its "
-                                  "DBuffer; a custom all-gather would need its own buffers")
+    def set_custom_all_gather(self, comm: AllGatherComm) -> None:
+        """Run this module's all-gathers with ``comm`` (FSDP2's ``AllGather``): its
+        ``allocate`` provides the unsharded parameter buffer (e.g. from a memory pool the
+        backend registered; the parameters are views of that memory) and its ``__call__``
+        gathers the shard into it. See :meth:`dbuffer.DBuffer.set_custom_all_gather`.
 
-    def set_custom_reduce_scatter(self, comm: Any) -> None:
-        """Not supported: the reduce-scatter runs in place on the DBuffer."""
-        raise NotImplementedError("set_custom_reduce_scatter: fsdp reduce-scatters in place "
-                                  "from its DBuffer; a custom collective would need its own buffers")
+        Args:
+            comm: ``allocate(size, *, dtype, device)`` and
+                ``__call__(output_tensor, input_tensor, group, async_op=False)``; ``None``
+                for the default.
+
+        Raises:
+            TypeError: when ``comm`` lacks that interface (nothing changes).
+        """
+        for group in self._get_fsdp_state().groups:
+            for buffer in group.buffers:
+                buffer.set_custom_all_gather(comm)
+            group.config.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatterComm) -> None:
+        """Run this module's reduce-scatters with ``comm`` (FSDP2's ``ReduceScatter``): its
+        ``allocate`` provides the buffers the collective reads and writes (the unsharded
+        gradients the backward writes, the sharded gradients) and its ``__call__`` reduces
+        (with ``op=SUM``; fsdp divides for the average itself, as with the default). See
+        :meth:`dbuffer.DBuffer.set_custom_reduce_scatter`.
+
+        Args:
+            comm: ``allocate(size, *, dtype, device)`` and
+                ``__call__(output_tensor, input_tensor, group, op, async_op=False)``;
+                ``None`` for the default.
+
+        Raises:
+            TypeError: when ``comm`` lacks that interface (nothing changes).
+        """
+        for group in self._get_fsdp_state().groups:
+            for buffer in group.buffers:
+                buffer.set_custom_reduce_scatter(comm)
+            group.config.reduce_scatter_comm = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
                             stream: Any = None) -> None:

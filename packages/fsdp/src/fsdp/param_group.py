@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dbuffer import CollectiveHandle, DBuffer, kernels
+from dbuffer import AllGatherComm, CollectiveHandle, DBuffer, ReduceScatterComm, kernels
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import record_function
@@ -84,6 +84,9 @@ class GroupConfig:
     reduce_in_flight: bool = True
     # FSDP2's all-reduce hook: called with each reduced flat gradient (FSDPModule.set_all_reduce_hook).
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    # FSDP2's custom collectives (FSDPModule.set_custom_all_gather / set_custom_reduce_scatter).
+    all_gather_comm: AllGatherComm | None = None
+    reduce_scatter_comm: ReduceScatterComm | None = None
 
 
 class FSDPParamGroup:
@@ -490,6 +493,8 @@ class FSDPParamGroup:
         target = make_buffer(old.plan, self.mesh, device=device, dtype=dtype,
                              mp_policy=self.mp_policy, trainable=bool(old.trainable))
         self.buffers[index] = target
+        target.set_custom_all_gather(self.config.all_gather_comm)
+        target.set_custom_reduce_scatter(self.config.reduce_scatter_comm)
         self._uninitialised.pop(id(old), None)  # the caller writes every parameter's values
         for p in list(self._params_of(old)):
             torch.utils.swap_tensors(p.sharded, p.sharded_on(target))

@@ -1,0 +1,145 @@
+"""``DBuffer.set_custom_all_gather`` / ``set_custom_reduce_scatter``: FSDP2's custom-collective
+interface on a DBuffer. The comm's ``allocate`` provides the buffers its collective touches
+(checked by address), its ``__call__`` runs the collective (counted), and the results equal
+the default collectives' bit for bit, over several free/gather rounds and dtype mixes; an
+``allocate`` that returns memory the buffer cannot own raises, naming the comm and the
+buffer."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dbuffer import DBuffer
+from tests.dbuffer.cases import full_tensors, random_plan
+
+
+class _Pool:
+    """The addresses of the blocks a comm allocated, in order."""
+
+    def __init__(self) -> None:
+        self.addresses: list[int] = []
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        block = torch.empty(*size, dtype=dtype, device=device)
+        self.addresses.append(block.data_ptr())
+        return block
+
+    def gave_last(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` sits in the memory of the last block allocated."""
+        return tensor.data_ptr() == self.addresses[-1]
+
+
+class RecordingAllGather(_Pool):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        self.calls += 1
+        return dist.all_gather_single(output_tensor, input_tensor, group=group,
+                                      async_op=async_op)
+
+
+class RecordingReduceScatter(_Pool):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[dist.ReduceOp] = []
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: dist.ReduceOp,
+                 async_op: bool = False) -> dist.Work | None:
+        self.calls.append(op)
+        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
+                                          async_op=async_op)
+
+
+def _round(buf: DBuffer, names: list[str], rank: int, step: int,
+           async_op: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One gather, gradients from the gathered values, one reduce-scatter; what came out."""
+    handle = buf.all_gather(async_op=async_op)
+    if handle is not None:
+        handle.wait()
+    gathered = {n: buf.unsharded_view(n).clone() for n in names}
+    for n in buf.trainable:
+        buf.grad_view(n).copy_(gathered[n] * (rank + 1) + step)
+    handle = buf.reduce_scatter(async_op=async_op, free_grad=True)
+    if handle is not None:
+        handle.wait()
+    grads = buf.sharded_grad_buffer.clone()
+    buf.free_sharded_grad()
+    buf.free_unsharded()
+    return gathered, grads
+
+
+def _case(seed: int) -> list[str]:
+    p = random_plan(random.Random(seed), dist.get_world_size())
+    full = full_tensors(p, seed)
+    names = [e.name for e in p.entries]
+    rank = dist.get_rank()
+    problems = []
+    for kwargs in ({}, {"compute_dtype": torch.bfloat16},
+                   {"compute_dtype": torch.bfloat16, "reduce_dtype": torch.float32}):
+        ours, ref = DBuffer.from_tensors(full, p, **kwargs), DBuffer.from_tensors(full, p, **kwargs)
+        gather, scatter = RecordingAllGather(), RecordingReduceScatter()
+        ours.set_custom_all_gather(gather)
+        ours.set_custom_reduce_scatter(scatter)
+        for step, async_op in enumerate((False, True, True)):
+            (g1, r1), (g2, r2) = (_round(b, names, rank, step, async_op) for b in (ours, ref))
+            if any(not torch.equal(g1[n], g2[n]) for n in names) or not torch.equal(r1, r2):
+                problems.append(f"{kwargs} round {step}: differs from the default collectives")
+        ours.all_gather()
+        if not gather.gave_last(ours.unsharded_buffer):
+            problems.append(f"{kwargs}: the unsharded buffer is not the comm's memory")
+        if ours.trainable:
+            ours.grad_view(ours.trainable[0])
+            if not scatter.gave_last(ours.grad_buffer):
+                problems.append(f"{kwargs}: the gradient buffer is not the comm's memory")
+        expected_rs = 3 if p.world_size > 1 else 0
+        if gather.calls != 4 or len(scatter.calls) != expected_rs:
+            problems.append(f"{kwargs}: {gather.calls} all-gathers, {len(scatter.calls)} "
+                            f"reduce-scatters through the comms")
+        if any(op != dist.ReduceOp.SUM for op in scatter.calls):
+            problems.append(f"{kwargs}: reduce-scatter op {scatter.calls}")
+    return problems
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_custom_collectives_equal_the_default_ones(ranks, world: int) -> None:
+    for problems in ranks.run(world, _case, 7):
+        assert problems == []
+
+
+class _Oversized(RecordingAllGather):
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(size[0] + 8, dtype=dtype, device=device)[:size[0]]
+
+
+def _oversized_case() -> tuple[str, bool]:
+    from layout_planner import TensorSpec, plan
+
+    p = plan([TensorSpec("w", 4, 1, (4,))], 1)
+    buf = DBuffer.from_tensors({"w": torch.ones(4)}, p)
+    buf.set_custom_all_gather(_Oversized())
+    try:
+        buf.all_gather()
+        message = "no error"
+    except TypeError as error:
+        message = str(error)
+    buf.set_custom_all_gather(None)
+    buf.all_gather()
+    return message, torch.equal(buf.unsharded_view("w"), torch.ones(4))
+
+
+def test_allocate_must_return_memory_the_buffer_can_own(ranks) -> None:
+    [(message, recovered)] = ranks.run(1, _oversized_case)
+    assert "_Oversized.allocate((4,)" in message
+    assert "unsharded parameter buffer" in message and "storage of 48 bytes" in message
+    assert recovered

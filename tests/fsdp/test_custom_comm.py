@@ -1,0 +1,122 @@
+"""``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` side by side with FSDP2
+on 3 gloo ranks: the same comm classes (FSDP2's ``AllGather`` / ``ReduceScatter``) run every
+collective of both systems (counted), training matches one process on all ranks' data as
+closely as FSDP2 does, and fsdp's unsharded parameters are views of the memory the comm
+allocated (FSDP2 copies out of it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from tests.fsdp.models import full, import_fsdp
+
+DIM, STEPS = 18, 3
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(DIM, 2 * DIM + 3), nn.Tanh(), nn.Linear(2 * DIM + 3, 4))
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(3, DIM, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+class _Blocks:
+    """Where a comm's allocations live: ``(address, nbytes)`` of each, in order."""
+
+    def __init__(self) -> None:
+        self.blocks: list[tuple[int, int]] = []
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        block = torch.empty(*size, dtype=dtype, device=device)
+        self.blocks.append((block.data_ptr(), block.nbytes))
+        return block
+
+    def last_holds(self, tensor: torch.Tensor) -> bool:
+        start, nbytes = self.blocks[-1]
+        return start <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= start + nbytes
+
+
+class CountingAllGather(_Blocks, AllGather):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        self.calls += 1
+        return dist.all_gather_single(output_tensor, input_tensor, group=group,
+                                      async_op=async_op)
+
+
+class CountingReduceScatter(_Blocks, ReduceScatter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: Any, async_op: bool = False) -> dist.Work | None:
+        self.calls += 1
+        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
+                                          async_op=async_op)
+
+
+def _run(impl: str | None, mixed: bool) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    gather, scatter = CountingAllGather(), CountingReduceScatter()
+    in_comm_memory: list[bool] = []
+    if impl is not None:
+        api = import_fsdp(impl)
+        mp = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if mixed else api.MixedPrecisionPolicy()
+        for layer in (model[0], model[2]):
+            api.fully_shard(layer, mp_policy=mp)
+        api.fully_shard(model, mp_policy=mp)
+        for module in (model, model[0], model[2]):
+            module.set_custom_all_gather(gather)
+            module.set_custom_reduce_scatter(scatter)
+        model[2].register_forward_pre_hook(
+            lambda module, args: in_comm_memory.append(gather.last_holds(module.weight)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        if impl is None:
+            loss = sum(model(_batch(step, r)).pow(2).mean() for r in range(world)) / world
+        else:
+            loss = model(_batch(step, rank)).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"params": {n: full(p) for n, p in model.named_parameters()},
+            "calls": (gather.calls, scatter.calls), "in_comm_memory": in_comm_memory}
+
+
+def _case(mixed: bool) -> dict[str, Any]:
+    ref = _run(None, mixed)
+    out: dict[str, Any] = {}
+    for impl in ("torch", "fsdp"):
+        got = _run(impl, mixed)
+        out[impl] = {"error": max((got["params"][n] - ref["params"][n]).abs().max().item()
+                                  for n in ref["params"]),
+                     "calls": got["calls"], "in_comm_memory": got["in_comm_memory"]}
+    return out
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
+def test_custom_collectives_run_every_gather_and_reduction(ranks, mixed: bool) -> None:
+    for out in ranks.run(3, _case, mixed, timeout=300):
+        fsdp, torch_ = out["fsdp"], out["torch"]
+        assert fsdp["error"] <= max(2 * torch_["error"], 1e-5), out
+        gathers, scatters = fsdp["calls"]
+        assert gathers > 0 and scatters > 0
+        assert fsdp["calls"] == torch_["calls"], out
+        assert fsdp["in_comm_memory"] == [True] * STEPS, out
