@@ -135,3 +135,26 @@ def test_training_parity_with_one_process_and_fsdp2(ranks) -> None:
         assert got <= max(oracle, 1e-5), (key, got, oracle)
     assert "RaggedShard" in ours["placements"]["layers.0.mlp.w_gate.weight"]
     assert "_StridedShard" in theirs["placements"]["layers.0.mlp.w_gate.weight"]
+
+
+HSDP_SPEC = TPRunSpec(steps=6, replicate=2)
+
+
+def test_hsdp_with_tensor_parallel_on_8_ranks(ranks) -> None:
+    """HSDP + TP on a 3-D (dp_replicate 2, dp_shard 2, tp 2) mesh: the same decoder, 6 AdamW
+    steps with clipping, each of the 4 data-parallel ranks its own quarter of the batch;
+    fsdp's sharded parameters are (Replicate, RaggedShard, TP) DTensors and train like one
+    process on the global batch, as closely as FSDP2 on the same mesh."""
+    ref = train(HSDP_SPEC, None)
+    out = {}
+    for impl in ("fsdp", "torch"):
+        results = ranks.run(8, train, HSDP_SPEC, impl, timeout=TIMEOUT_S)
+        assert all(r["losses"] == results[0]["losses"] for r in results[1:])
+        out[impl] = results[0]
+    for key, measure in (("losses", max_error), ("norms", max_error), ("params", max_param_error)):
+        got, oracle = measure(out["fsdp"][key], ref[key]), measure(out["torch"][key], ref[key])
+        print(f"HSDP + TP {key}: fsdp {got:.3g}, FSDP2 {oracle:.3g}")
+        assert got <= max(oracle, 1e-5), (key, got, oracle)
+    placements = out["fsdp"]["placements"]["layers.0.mlp.w_gate.weight"]
+    assert placements.startswith("(Replicate(), RaggedShard(") and placements.endswith(
+        "Shard(dim=0))"), placements

@@ -132,6 +132,7 @@ class TPRunSpec:
     global_batch: int = 8
     dp: int = 2
     tp: int = 2
+    replicate: int = 1  # > 1: HSDP + TP, fsdp over (dp_replicate, dp_shard)
     lr: float = 1e-2
     clip: float = 0.5
 
@@ -156,15 +157,24 @@ def train(spec: TPRunSpec, impl: str | None) -> dict[str, Any]:
     if impl is not None:
         from tests.harness import device_mesh
 
-        world = device_mesh(spec.dp, spec.tp, names=("dp", "tp"))
+        if spec.replicate > 1:
+            world = device_mesh(spec.replicate, spec.dp, spec.tp,
+                                names=("dp_replicate", "dp_shard", "tp"))
+            dp_dims: tuple[str, ...] = ("dp_replicate", "dp_shard")
+        else:
+            world = device_mesh(spec.dp, spec.tp, names=("dp", "tp"))
+            dp_dims = ("dp",)
+        dp_mesh = world[dp_dims]
         fully_shard = importlib.import_module(
             "torch.distributed.fsdp" if impl == "torch" else "fsdp").fully_shard
         parallelize(model, world["tp"])
         for block in model.layers:
-            fully_shard(block, mesh=world["dp"])
-        fully_shard(model, mesh=world["dp"])
-        per_rank = spec.global_batch // spec.dp
-        dp_rank = world["dp"].get_local_rank()
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+        per_rank = spec.global_batch // (spec.dp * spec.replicate)
+        dp_rank = 0
+        for dim in dp_dims:  # row-major over the data-parallel dims
+            dp_rank = dp_rank * world[dim].size() + world[dim].get_local_rank()
         data = data[:, dp_rank * per_rank:(dp_rank + 1) * per_rank]
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
     losses, norms = [], []
@@ -178,8 +188,9 @@ def train(spec: TPRunSpec, impl: str | None) -> dict[str, Any]:
         optimizer.zero_grad()
         if impl is not None:
             loss = loss.detach().clone()
-            dist.all_reduce(loss, group=world["dp"].get_group())
-            loss /= spec.dp
+            for dim in dp_dims:
+                dist.all_reduce(loss, group=world[dim].get_group())
+            loss /= spec.dp * spec.replicate
         losses.append(loss.item())
         norms.append(_full(norm).item())
     params = {name: _full(p) for name, p in model.named_parameters()}
