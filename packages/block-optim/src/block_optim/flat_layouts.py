@@ -5,9 +5,10 @@ Muon and Shampoo work on flat runs: each rank holds one contiguous range of a pa
 row-major elements. A parameter whose placements shard at most one mesh dimension with a
 flat-contiguous placement (``RaggedShard``, ``Shard(0)``; the others ``Replicate``, e.g.
 HSDP's ``(Replicate(), RaggedShard(...))``) is read directly as such a range on that mesh
-dimension (:func:`flat_placement`). Any other placement of torch's (e.g. ``Shard(1)``) is
-gathered to every rank around the step (:func:`to_flat` / :func:`from_flat`), which costs one
-all-gather per input tensor.
+dimension (:func:`flat_placement`). Any other placement of torch's (e.g. ``Shard(1)``), and a
+RaggedShard beside tensor-parallel ``Shard`` placements (fsdp over TP: a matrix spans the TP
+ranks), is gathered to every rank around the step (:func:`to_flat` / :func:`from_flat`),
+which costs one all-gather per input tensor.
 
 The owner exchange runs along one mesh dimension only; every coordinate of the other
 (replicated) dimensions holds the same values and runs the same exchange, so replicas compute
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from ragged_dtensor import from_local_run, is_ragged
+from ragged_dtensor.composed import is_composed
 from ragged_dtensor.flat_layout import FlatLayout
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -57,16 +59,20 @@ def flat_placement(param: torch.Tensor, name: str) -> FlatPlacement:
     Returns:
         Its flat placement.
 
+    A RaggedShard beside tensor-parallel ``Shard`` placements (fsdp over TP) is gathered:
+    its matrices span the TP ranks, so no rank can own one as a flat run of its own.
+
     Raises:
         NotImplementedError: For a ``RaggedShard`` layout that is not one flat run per rank
-            (a second sharded mesh dimension); raised on every rank (placements are global).
+            and not composed with TP (a second RaggedShard mesh dimension); raised on every
+            rank (placements are global).
     """
     shape = tuple(param.shape)
     if not isinstance(param, DTensor):
         return FlatPlacement(None, FlatLayout(shape, 1, replicated=True))
     mesh = param.device_mesh
     cuts = flat_cuts(param)
-    if cuts is None and is_ragged(param):
+    if cuts is None and is_ragged(param) and not is_composed(param.placements):
         raise NotImplementedError(
             f"parameter '{name}' has placements {tuple(param.placements)}: whole-matrix "
             "optimizers need at most one sharded mesh dimension next to a RaggedShard"
@@ -125,6 +131,11 @@ def from_flat(param: torch.Tensor, placement: FlatPlacement, flat: torch.Tensor)
     if not placement.gathered:
         local_shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
         return flat.view(local_shape)
+    if is_ragged(param):  # composed with TP: ragged-dtensor cuts the run out, no collective
+        mesh = param.device_mesh
+        whole = DTensor.from_local(flat.view(param.shape), mesh, [Replicate()] * mesh.ndim,
+                                   run_check=False)
+        return whole.redistribute(mesh, param.placements).to_local()
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     block = flat.view(param.shape)
     for dim, (size, start) in enumerate(zip(shape, offset, strict=True)):

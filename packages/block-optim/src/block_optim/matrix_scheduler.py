@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from ragged_dtensor.composed import is_composed
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -174,7 +175,14 @@ class MatrixScheduler:
         return [(o.param, o.piece) for o in self.piece_owners(params, names) if o.is_mine()]
 
     def _warn_if_cut(self, param: torch.Tensor, name: str, flat: FlatPlacement) -> None:
-        if isinstance(param, DTensor) and not cuts_on_units(param, self._unit_of(param)):
+        if isinstance(param, DTensor) and is_composed(param.placements):
+            warn_once(
+                self._optimizer, name,
+                f"is sharded as {tuple(param.placements)}: its matrices span the "
+                "tensor-parallel ranks, so they are gathered to every rank around every step "
+                "(one all-gather per input over the whole mesh).",
+            )
+        elif isinstance(param, DTensor) and not cuts_on_units(param, self._unit_of(param)):
             how = "gathered to every rank" if flat.gathered else "moved whole to an owner rank"
             warn_once(
                 self._optimizer, name,
