@@ -107,6 +107,28 @@ def test_uneven_tensor_parallel_raises_on_every_rank(ranks) -> None:
     assert all("13" in m for m in messages), messages
 
 
+def _fp8_case() -> str:
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import fsdp
+    from tests.harness import device_mesh
+
+    world = device_mesh(2, 2, names=("dp", "tp"))
+    model = nn.Sequential(nn.Linear(32, 32, bias=False))
+    parallelize_module(model, world["tp"], {"0": ColwiseParallel()})
+    with pytest.raises(NotImplementedError, match="tensor-parallel") as caught:
+        fsdp.fully_shard(model, mesh=world["dp"], quantize_all_gather=fsdp.BlockwiseFP8(block=16))
+    return str(caught.value)
+
+
+def test_fp8_all_gather_of_tensor_parallel_weights_raises_on_every_rank(ranks) -> None:
+    """Block-wise FP8 all-gather of a TP weight is refused at fully_shard, naming it (before
+    this, a rank died in the first gather)."""
+    messages = ranks.run(4, _fp8_case, timeout=TIMEOUT_S)
+    assert all("'0.weight'" in m and "BlockwiseFP8(filter=...)" in m for m in messages), messages
+
+
 @functools.cache
 def _reference() -> dict:
     return train(SPEC, None)

@@ -75,6 +75,23 @@ def default_filter(name: str, param: nn.Parameter, modules: Collection[nn.Module
     return any(isinstance(m, nn.Linear) and m.weight is param for m in modules)
 
 
+def refuse_tensor_parallel(quantized: frozenset[str], tp_params: Collection[str]) -> None:
+    """Raise ``NotImplementedError`` for a parameter chosen for the FP8 all-gather that is
+    tensor-parallel: its tiles would have to be cut from the TP-local tensor, a layout the
+    quantized gather does not plan (global facts: every rank raises alike).
+
+    Args:
+        quantized: the names :func:`quantized_units` chose.
+        tp_params: the names of the group's tensor-parallel (DTensor) parameters.
+    """
+    both = sorted(quantized & set(tp_params))
+    if both:
+        raise NotImplementedError(
+            f"quantize_all_gather: parameter {both[0]!r} is tensor-parallel; the block-wise "
+            "FP8 all-gather does not compose with tensor parallelism yet: leave it out with "
+            "BlockwiseFP8(filter=...)")
+
+
 def quantized_units(config: BlockwiseFP8 | None, collected: list, units: dict[str, int]
                     ) -> tuple[dict[str, int], frozenset[str]]:
     """The quantized parameters of a group and their units: the least common multiple of

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from fsdp import post_forward
-from fsdp.fp8 import BlockwiseFP8, GroupQuantizer, quantized_units
+from fsdp.fp8 import BlockwiseFP8, GroupQuantizer, quantized_units, refuse_tensor_parallel
 from fsdp.policies import UnitPolicy
 from fsdp.sharding import build_group, collect_params, managed_modules, resolve_units, signature
 from fsdp.state import FSDPState, get_state
@@ -149,6 +149,7 @@ def fully_shard(
         units = resolve_units(collected, unit_policy, shard_placement_fn)
         layouts = plan_layouts([(c.name, c.param) for c in collected], mesh)
         units, quantized = quantized_units(quantize_all_gather, collected, units)
+        refuse_tensor_parallel(quantized, layouts)
     except (ValueError, NotImplementedError, TypeError) as caught:
         error = caught
     # One collective per mesh dim: an error found on any rank, or parameters (names, shapes,
