@@ -42,17 +42,26 @@ def has_ragged_arg(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
 
     An aten op's tensors sit at most one list deep, so two loops do what a pytree flatten
     would, several times faster: this check runs in front of torch's own handlers on every
-    call of theirs.
+    call of theirs. A list is only scanned when it holds tensors (aten's tensor lists are
+    homogeneous), so sizes and strides cost one check each.
     """
     for arg in (*args, *kwargs.values()):
         if isinstance(arg, DTensor):
             if is_ragged(arg._spec):
                 return True
-        elif isinstance(arg, (list, tuple)):
+        elif (type(arg) is list or type(arg) is tuple) and arg and isinstance(arg[0], torch.Tensor):
             for item in arg:
                 if isinstance(item, DTensor) and is_ragged(item._spec):
                     return True
     return False
+
+
+def self_is_ragged(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
+    """Whether the op's first (``self``) argument is a RaggedShard DTensor: the ``wants`` of
+    ops whose only tensor input it is (``as_strided``), a third of :func:`has_ragged_arg`'s
+    cost in front of torch's handler."""
+    x = args[0] if args else kwargs.get("self")
+    return isinstance(x, DTensor) and is_ragged(x._spec)
 
 
 @dataclass(frozen=True)
@@ -102,14 +111,22 @@ class RaggedSlowPath:
 
 
 class RaggedFirst:
-    """A custom-op table entry: calls on RaggedShard inputs take the route, others torch's."""
+    """A custom-op table entry: calls on RaggedShard inputs take the route, others torch's.
+
+    The route is looked up by the op's ``id`` (an ``OpOverload`` hashes in Python, which
+    would be the larger part of what this entry adds to every call of torch's handler)."""
 
     def __init__(self, torch_handler: Handler) -> None:
         self.torch_handler = torch_handler
+        self._routes: dict[int, Route] = {}
 
     def __call__(self, op_call: torch._ops.OpOverload, args: tuple[object, ...],
                  kwargs: dict[str, object]) -> object:
-        route = ROUTES.get(op_call)
+        route = self._routes.get(id(op_call))
+        if route is None:
+            route = ROUTES.get(op_call)
+            if route is not None:
+                self._routes[id(op_call)] = route
         if route is not None and route.wants(args, kwargs):
             return route.handler(op_call, args, kwargs)
         return self.torch_handler(op_call, args, kwargs)
