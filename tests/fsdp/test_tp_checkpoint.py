@@ -1,7 +1,8 @@
 """DCP checkpoints of fsdp over tensor parallelism reshard across both dimensions: saved at
 dp 2 x tp 2 (after two AdamW steps), loaded at dp 4 without TP, at dp 1 x tp 2, at dp 2 x tp 2
 again, and into one plain process (``no_dist``): every load gives the saved full parameters
-exactly. The RaggedShard run of a TP-local tensor is written as boxes of the global tensor.
+exactly; saved by HSDP + TP on 8 ranks, loaded at dp 2 x tp 2 and dp 4, exactly too. The
+RaggedShard run of a TP-local tensor is written as boxes of the global tensor.
 Full state dicts load into the combined parameters too, also broadcast from rank 0."""
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ from tests.harness import device_mesh
 TIMEOUT_S = 300.0
 
 
-def _sharded_model(dp: int, tp: int) -> torch.nn.Module:
+def _sharded_model(dp: int, tp: int, replicate: int = 1) -> torch.nn.Module:
     import fsdp
 
     model = build_model()
-    if tp > 1:
+    if replicate > 1:  # HSDP + TP
+        world = device_mesh(replicate, dp, tp, names=("dp_replicate", "dp_shard", "tp"))
+        parallelize(model, world["tp"])
+        dp_mesh = world["dp_replicate", "dp_shard"]
+    elif tp > 1:
         world = device_mesh(dp, tp, names=("dp", "tp"))
         parallelize(model, world["tp"])
         dp_mesh = world["dp"]
@@ -38,10 +43,10 @@ def _sharded_model(dp: int, tp: int) -> torch.nn.Module:
     return model
 
 
-def _save(path: str) -> dict[str, torch.Tensor]:
-    model = _sharded_model(2, 2)
+def _save(path: str, replicate: int = 1) -> dict[str, torch.Tensor]:
+    model = _sharded_model(2, 2, replicate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(dist.get_rank() // 2)  # per dp rank
+    g = torch.Generator().manual_seed(dist.get_rank() // 2)  # per data-parallel rank (tp 2)
     for _ in range(2):
         tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
         logits = model(tokens[:, :-1])
@@ -79,6 +84,18 @@ def test_dcp_reshards_across_dp_and_tp(ranks, tmp_path: Path) -> None:
     plain = build_model().state_dict()
     dcp.load(plain, checkpoint_id=path, no_dist=True)
     _assert_same({n: t for n, t in plain.items()}, saved, "one process")
+
+
+def test_dcp_saved_by_hsdp_with_tp_reshards(ranks, tmp_path: Path) -> None:
+    """Saved by HSDP + TP on 8 ranks (dp_replicate 2 x dp_shard 2 x tp 2): loads at dp 2 x
+    tp 2 and at dp 4 give the saved parameters exactly."""
+    path = str(tmp_path / "ckpt")
+    saved = ranks.run(8, _save, path, 2, timeout=TIMEOUT_S)[0]
+    assert any(not torch.equal(saved[n], p.detach()) for n, p in build_model().named_parameters())
+    for rank_out in ranks.run(4, _load, path, 2, 2, timeout=TIMEOUT_S):
+        _assert_same(rank_out, saved, "dp 2 x tp 2")
+    for rank_out in ranks.run(4, _load, path, 4, 1, timeout=TIMEOUT_S):
+        _assert_same(rank_out, saved, "dp 4")
 
 
 def _load_full(weights: dict[str, torch.Tensor], broadcast: bool) -> dict[str, torch.Tensor]:
