@@ -56,12 +56,21 @@ def has_ragged_arg(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
     return False
 
 
-def self_is_ragged(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
-    """Whether the op's first (``self``) argument is a RaggedShard DTensor: the ``wants`` of
-    ops whose only tensor input it is (``as_strided``), a third of :func:`has_ragged_arg`'s
-    cost in front of torch's handler."""
-    x = args[0] if args else kwargs.get("self")
-    return isinstance(x, DTensor) and is_ragged(x._spec)
+def ragged_at(*positions: int) -> Callable[[tuple[object, ...], dict[str, object]], bool]:
+    """A ``wants`` predicate for an op whose tensor inputs sit at ``positions`` of its
+    arguments (``as_strided``'s ``self``; a convolution's input, weight and bias): it looks
+    there only, plus any keyword argument, instead of scanning every argument as
+    :func:`has_ragged_arg` does in front of torch's handler on every call."""
+
+    def wants(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
+        for i in positions:
+            if i < len(args):
+                x = args[i]
+                if isinstance(x, DTensor) and is_ragged(x._spec):
+                    return True
+        return bool(kwargs) and has_ragged_arg((), kwargs)
+
+    return wants
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Replicate
 
-from ragged_dtensor.op_routing import Route, add_routes
+from ragged_dtensor.op_routing import Route, add_routes, ragged_at
 from ragged_dtensor.peer_failure import collective_guard
 from ragged_dtensor.placement import find_ragged
 from ragged_dtensor.random_fills import local_flat_range
@@ -116,11 +116,14 @@ def amp_unscale_handler(
                 dist.all_reduce(found_local, op=dist.ReduceOp.MAX, group=group)
 
 
+# convolution(input, weight, bias, ...), convolution_backward(grad_output, input, weight, ...)
+_CONVOLUTION_TENSORS = ragged_at(0, 1, 2)
+
 ROUTES = {
     aten.argmax.default: Route(argminmax_handler),
     aten.argmin.default: Route(argminmax_handler),
-    aten.convolution.default: Route(gather_handler),
-    aten.convolution_backward.default: Route(gather_handler),
+    aten.convolution.default: Route(gather_handler, wants=_CONVOLUTION_TENSORS),
+    aten.convolution_backward.default: Route(gather_handler, wants=_CONVOLUTION_TENSORS),
     aten._amp_foreach_non_finite_check_and_unscale_.default: Route(amp_unscale_handler),
 }
 

@@ -24,7 +24,7 @@ from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ragged_dtensor.op_routing import Route, add_routes, self_is_ragged
+from ragged_dtensor.op_routing import Route, add_routes, ragged_at
 from ragged_dtensor.placement import RaggedShard, find_ragged
 from ragged_dtensor.reductions import dispatch_default
 
@@ -98,7 +98,7 @@ def as_strided_handler(
 
 ROUTES = {
     **{op: Route(reshape_handler) for op in RESHAPE_OPS},
-    aten.as_strided.default: Route(as_strided_handler, wants=self_is_ragged),
+    aten.as_strided.default: Route(as_strided_handler, wants=ragged_at(0)),
 }
 
 
