@@ -15,49 +15,8 @@ import torch
 import torch.distributed as dist
 
 from dbuffer import DBuffer
+from tests.comm_recorders import RecordingAllGather, RecordingReduceScatter
 from tests.dbuffer.cases import full_tensors, random_plan
-
-
-class _Pool:
-    """The addresses of the blocks a comm allocated, in order."""
-
-    def __init__(self) -> None:
-        self.addresses: list[int] = []
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-        block = torch.empty(*size, dtype=dtype, device=device)
-        self.addresses.append(block.data_ptr())
-        return block
-
-    def gave_last(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` sits in the memory of the last block allocated."""
-        return tensor.data_ptr() == self.addresses[-1]
-
-
-class RecordingAllGather(_Pool):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
-        self.calls += 1
-        return dist.all_gather_single(output_tensor, input_tensor, group=group,
-                                      async_op=async_op)
-
-
-class RecordingReduceScatter(_Pool):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[dist.ReduceOp] = []
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, op: dist.ReduceOp,
-                 async_op: bool = False) -> dist.Work | None:
-        self.calls.append(op)
-        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
-                                          async_op=async_op)
 
 
 def _round(buf: DBuffer, names: list[str], rank: int, step: int,
@@ -95,18 +54,18 @@ def _case(seed: int) -> list[str]:
             if any(not torch.equal(g1[n], g2[n]) for n in names) or not torch.equal(r1, r2):
                 problems.append(f"{kwargs} round {step}: differs from the default collectives")
         ours.all_gather()
-        if not gather.gave_last(ours.unsharded_buffer):
+        if not gather.last_holds(ours.unsharded_buffer):
             problems.append(f"{kwargs}: the unsharded buffer is not the comm's memory")
         if ours.trainable:
             ours.grad_view(ours.trainable[0])
-            if not scatter.gave_last(ours.grad_buffer):
+            if not scatter.last_holds(ours.grad_buffer):
                 problems.append(f"{kwargs}: the gradient buffer is not the comm's memory")
         expected_rs = 3 if p.world_size > 1 else 0
-        if gather.calls != 4 or len(scatter.calls) != expected_rs:
-            problems.append(f"{kwargs}: {gather.calls} all-gathers, {len(scatter.calls)} "
+        if gather.calls != 4 or len(scatter.ops) != expected_rs:
+            problems.append(f"{kwargs}: {gather.calls} all-gathers, {len(scatter.ops)} "
                             f"reduce-scatters through the comms")
-        if any(op != dist.ReduceOp.SUM for op in scatter.calls):
-            problems.append(f"{kwargs}: reduce-scatter op {scatter.calls}")
+        if any(op != dist.ReduceOp.SUM for op in scatter.ops):
+            problems.append(f"{kwargs}: reduce-scatter op {scatter.ops}")
     return problems
 
 

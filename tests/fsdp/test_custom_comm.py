@@ -6,74 +6,21 @@ allocated (FSDP2 copies out of it)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from tests.comm_recorders import RecordingAllGather, RecordingReduceScatter
 from tests.fsdp.models import full, import_fsdp
-
-DIM, STEPS = 18, 3
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(5)
-    return nn.Sequential(nn.Linear(DIM, 2 * DIM + 3), nn.Tanh(), nn.Linear(2 * DIM + 3, 4))
-
-
-def _batch(step: int, rank: int) -> torch.Tensor:
-    return torch.randn(3, DIM, generator=torch.Generator().manual_seed(10 * step + rank))
-
-
-class _Blocks:
-    """Where a comm's allocations live: ``(address, nbytes)`` of each, in order."""
-
-    def __init__(self) -> None:
-        self.blocks: list[tuple[int, int]] = []
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-        block = torch.empty(*size, dtype=dtype, device=device)
-        self.blocks.append((block.data_ptr(), block.nbytes))
-        return block
-
-    def last_holds(self, tensor: torch.Tensor) -> bool:
-        start, nbytes = self.blocks[-1]
-        return start <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= start + nbytes
-
-
-class CountingAllGather(_Blocks, AllGather):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
-        self.calls += 1
-        return dist.all_gather_single(output_tensor, input_tensor, group=group,
-                                      async_op=async_op)
-
-
-class CountingReduceScatter(_Blocks, ReduceScatter):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, op: Any, async_op: bool = False) -> dist.Work | None:
-        self.calls += 1
-        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
-                                          async_op=async_op)
+from tests.fsdp.test_all_reduce_hook import STEPS, _batch, _model
 
 
 def _run(impl: str | None, mixed: bool) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model()
-    gather, scatter = CountingAllGather(), CountingReduceScatter()
+    gather, scatter = RecordingAllGather(), RecordingReduceScatter()
     in_comm_memory: list[bool] = []
     if impl is not None:
         api = import_fsdp(impl)
@@ -97,7 +44,7 @@ def _run(impl: str | None, mixed: bool) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
     return {"params": {n: full(p) for n, p in model.named_parameters()},
-            "calls": (gather.calls, scatter.calls), "in_comm_memory": in_comm_memory}
+            "calls": (gather.calls, len(scatter.ops)), "in_comm_memory": in_comm_memory}
 
 
 def _case(mixed: bool) -> dict[str, Any]:

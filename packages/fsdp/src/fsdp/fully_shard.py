@@ -489,10 +489,7 @@ class FSDPModule:
         Raises:
             TypeError: when ``comm`` lacks that interface (nothing changes).
         """
-        for group in self._get_fsdp_state().groups:
-            for buffer in group.buffers:
-                buffer.set_custom_all_gather(comm)
-            group.config.all_gather_comm = comm
+        self._set_comm("all_gather", comm)
 
     def set_custom_reduce_scatter(self, comm: ReduceScatterComm) -> None:
         """Run this module's reduce-scatters with ``comm`` (FSDP2's ``ReduceScatter``): its
@@ -509,10 +506,16 @@ class FSDPModule:
         Raises:
             TypeError: when ``comm`` lacks that interface (nothing changes).
         """
+        self._set_comm("reduce_scatter", comm)
+
+    def _set_comm(self, kind: str, comm: AllGatherComm | ReduceScatterComm | None) -> None:
+        """Give every buffer of this module's groups the custom ``kind`` collective
+        (``"all_gather"`` or ``"reduce_scatter"``; the first buffer checks the comm, so a bad
+        one changes nothing) and keep it in the group config for buffers rebuilt later."""
         for group in self._get_fsdp_state().groups:
             for buffer in group.buffers:
-                buffer.set_custom_reduce_scatter(comm)
-            group.config.reduce_scatter_comm = comm
+                getattr(buffer, f"set_custom_{kind}")(comm)
+            setattr(group.config, f"{kind}_comm", comm)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
                             stream: Any = None) -> None:
