@@ -86,6 +86,8 @@ def _oversized_case() -> tuple[str, bool]:
 
     p = plan([TensorSpec("w", 4, 1, (4,))], 1)
     buf = DBuffer.from_tensors({"w": torch.ones(4)}, p)
+    buf.all_gather()  # allocated once by default, then freed: the comm's block replaces it
+    buf.free_unsharded()
     buf.set_custom_all_gather(_Oversized())
     try:
         buf.all_gather()

@@ -82,3 +82,29 @@ def test_custom_op_table_holds_only_torch_handlers() -> None:
     """Every entry is one of torch's own (possibly behind a RaggedShard route)."""
     torch_ops = set(OpDispatcher()._custom_op_handlers)
     assert set(DTensor._op_dispatcher._custom_op_handlers) <= torch_ops
+
+
+def predicates_case() -> dict[str, bool]:
+    """What the routes' ``wants`` predicates say for a RaggedShard DTensor at various places
+    of an op's arguments."""
+    mesh = device_mesh(1)
+    full = full_of(3, (4, 2))
+    ragged = ragged_from_full(mesh, full, Layout(3, (4, 2), 1, (1,)))
+    plain = torch_distribute_tensor(full, mesh, [Shard(0)])
+    conv = op_routing.ragged_at(0, 1, 2)
+    return {
+        "self": op_routing.has_ragged_arg((ragged, [4, 2]), {}),
+        "tensor list": op_routing.has_ragged_arg(([plain, ragged],), {}),
+        "optional list": op_routing.has_ragged_arg((plain, [None, ragged]), {}),
+        "keyword": op_routing.has_ragged_arg((plain,), {"other": ragged}),
+        "plain": op_routing.has_ragged_arg((plain, [4, 2], [None, plain]), {"other": plain}),
+        "at weight": conv((plain, ragged, None, [1, 1]), {}),
+        "at keyword": conv((plain,), {"weight": ragged}),
+        "elsewhere": conv((plain, plain, None, [ragged]), {}),
+    }
+
+
+def test_wants_predicates_find_ragged_arguments(ranks) -> None:
+    [got] = ranks.run(1, predicates_case)
+    assert got == {"self": True, "tensor list": True, "optional list": True, "keyword": True,
+                   "plain": False, "at weight": True, "at keyword": True, "elsewhere": False}

@@ -122,7 +122,9 @@ def allocate(comm: AllGatherComm | ReduceScatterComm | None, numel: int, dtype: 
     tensor = comm.allocate((numel,), dtype=dtype, device=device)
     nbytes = numel * dtype.itemsize
     if not (isinstance(tensor, torch.Tensor) and tensor.dtype == dtype
-            and tensor.device == device and tensor.numel() == numel and tensor.is_contiguous()
+            and tensor.device.type == device.type
+            and device.index in (None, tensor.device.index)
+            and tensor.numel() == numel and tensor.is_contiguous()
             and tensor.storage_offset() == 0
             and tensor.untyped_storage().nbytes() == nbytes):
         got = (f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device} (storage of "

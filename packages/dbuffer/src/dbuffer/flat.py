@@ -96,9 +96,10 @@ class FlatBuffer:
             return True
         if self.allocated:
             return False
+        fresh = new() if new is not None else None  # first: if it raises, nothing changed
         self._storage._swap_data_ptr_(self._marked)
-        if new is not None:
-            self._storage._swap_data_ptr_(new().untyped_storage())
+        if fresh is not None:
+            self._storage._swap_data_ptr_(fresh.untyped_storage())
         else:
             self._storage.resize_(self._nbytes)
         self._allocated = True

@@ -37,19 +37,23 @@ from ragged_dtensor.placement import is_ragged
 Handler = Callable[[torch._ops.OpOverload, tuple[object, ...], dict[str, object]], object]
 
 
+_NUMBERS = (int, float, bool)
+
+
 def has_ragged_arg(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
     """Whether any DTensor among ``args``/``kwargs`` (or in a list there) carries a RaggedShard.
 
     An aten op's tensors sit at most one list deep, so two loops do what a pytree flatten
     would, several times faster: this check runs in front of torch's own handlers on every
-    call of theirs. A list is only scanned when it holds tensors (aten's tensor lists are
-    homogeneous), so sizes and strides cost one check each.
+    call of theirs. A list of numbers (sizes, strides, scalars: aten never mixes them with
+    tensors in one list) costs one check; a tensor list, optional entries included
+    (``Tensor?[]``, e.g. ``[None, index]``), is scanned.
     """
     for arg in (*args, *kwargs.values()):
         if isinstance(arg, DTensor):
             if is_ragged(arg._spec):
                 return True
-        elif (type(arg) is list or type(arg) is tuple) and arg and isinstance(arg[0], torch.Tensor):
+        elif (type(arg) is list or type(arg) is tuple) and arg and type(arg[0]) not in _NUMBERS:
             for item in arg:
                 if isinstance(item, DTensor) and is_ragged(item._spec):
                     return True
