@@ -180,3 +180,44 @@ def test_hsdp_with_tensor_parallel_on_8_ranks(ranks) -> None:
     placements = out["fsdp"]["placements"]["layers.0.mlp.w_gate.weight"]
     assert placements.startswith("(Replicate(), RaggedShard(") and placements.endswith(
         "Shard(dim=0))"), placements
+
+
+def _clip_collectives(impl: str) -> dict:
+    import importlib
+
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from tests.dbuffer.collective_log import record_collectives
+    from tests.fsdp.tp_models import VOCAB, batches, build_model, parallelize
+    from tests.harness import device_mesh
+
+    world = device_mesh(2, 2, names=("dp", "tp"))
+    fully_shard = importlib.import_module(
+        "torch.distributed.fsdp" if impl == "torch" else "fsdp").fully_shard
+    model = build_model()
+    parallelize(model, world["tp"])
+    for block in model.layers:
+        fully_shard(block, mesh=world["dp"])
+    fully_shard(model, mesh=world["dp"])
+    dp = world["dp"].get_local_rank()
+    tokens = batches(SPEC)[0][4 * dp:4 * dp + 4]
+    F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+    with record_collectives() as log, CommDebugMode() as mode:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        value = norm.full_tensor().item()
+    funcol = sum(n for n in mode.get_comm_counts().values())
+    return {"collectives": len(log) + funcol, "norm": value}
+
+
+def test_clip_grad_norm_over_dp_and_tp_takes_one_all_reduce_per_mesh_dim(ranks) -> None:
+    """The one-device norm of the combined parameters in at most one all-reduce per mesh
+    dimension (no more than FSDP2), and the same value as FSDP2's."""
+    ours = ranks.run(4, _clip_collectives, "fsdp", timeout=TIMEOUT_S)
+    theirs = ranks.run(4, _clip_collectives, "torch", timeout=TIMEOUT_S)
+    for a, b in zip(ours, theirs):
+        assert a["collectives"] <= min(2, b["collectives"]), (a, b)
+        assert abs(a["norm"] - b["norm"]) <= 1e-5 * b["norm"], (a, b)
+    print(f"clip_grad_norm_ collectives: fsdp {ours[0]['collectives']}, "
+          f"FSDP2 {theirs[0]['collectives']}")
