@@ -107,6 +107,27 @@ def test_uneven_tensor_parallel_raises_on_every_rank(ranks) -> None:
     assert all("13" in m for m in messages), messages
 
 
+def _other_world_case() -> str:
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import fsdp
+
+    tp_world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "tp"))
+    dp_world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "y"))
+    model = nn.Sequential(nn.Linear(8, 8, bias=False))
+    parallelize_module(model, tp_world["tp"], {"0": ColwiseParallel()})
+    with pytest.raises(ValueError, match="not sliced from the same world mesh") as caught:
+        fsdp.fully_shard(model, mesh=dp_world["dp"])
+    return str(caught.value)
+
+
+def test_tp_mesh_of_another_world_raises_on_every_rank(ranks) -> None:
+    messages = ranks.run(4, _other_world_case, timeout=TIMEOUT_S)
+    assert all("'0.weight'" in m for m in messages), messages
+
+
 def _fp8_case() -> str:
     from torch import nn
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module

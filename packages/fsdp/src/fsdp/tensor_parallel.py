@@ -111,8 +111,12 @@ def plan_layout(name: str, param: DTensor, dp_mesh: DeviceMesh) -> TPLayout:
             f"fully_shard: parameter {name!r} is a DTensor on mesh {tp_mesh}; composing with "
             "tensor parallelism needs named meshes sliced from one world mesh (e.g. "
             "world['dp'] and world['tp'])")
-    root = dp_mesh._get_root_mesh()
-    if tp_mesh._get_root_mesh() is not root:
+    # The combined mesh is sliced from the TP mesh's world, which must hold fsdp's dims over
+    # the same ranks. (Not ``dp_mesh._get_root_mesh() is root``: torch may map an equal
+    # submesh, e.g. a "dp" dim of another world of the same shape, to that other world.)
+    root = tp_mesh._get_root_mesh()
+    names = root.mesh_dim_names or ()
+    if not (set(dp_names) <= set(names) and torch.equal(root[dp_names].mesh, dp_mesh.mesh)):
         raise ValueError(f"fully_shard: parameter {name!r} lives on {tp_mesh}, which is not "
                          f"sliced from the same world mesh as fsdp's mesh {dp_mesh}")
     if set(dp_names) & set(tp_names):
