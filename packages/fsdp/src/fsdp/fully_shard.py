@@ -557,14 +557,19 @@ class FSDPModule:
                                   "the process group of its mesh")
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Not supported: the collective buffers are the DBuffer's own memory."""
-        raise NotImplementedError("set_allocate_memory_from_process_group_for_comm: fsdp's "
-                                  "collectives run on DBuffer memory, not backend-allocated buffers")
+        """Not supported as a switch: a custom comm whose ``allocate`` takes the backend's
+        memory does the same job (:meth:`set_custom_all_gather`)."""
+        raise NotImplementedError("set_allocate_memory_from_process_group_for_comm: not a "
+                                  "switch in fsdp; pass set_custom_all_gather / "
+                                  "set_custom_reduce_scatter a comm whose allocate() takes the "
+                                  "process group's memory")
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Not supported: symmetric memory is not used by DBuffer."""
-        raise NotImplementedError("set_symm_mem_for_comm: DBuffer does not allocate "
-                                  "symmetric memory")
+        """Not supported as a switch: a custom comm whose ``allocate`` takes symmetric memory
+        does the same job (:meth:`set_custom_all_gather`)."""
+        raise NotImplementedError("set_symm_mem_for_comm: not a switch in fsdp; pass "
+                                  "set_custom_all_gather a comm whose allocate() takes the "
+                                  "symmetric-memory pool's memory")
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """``to_empty`` / ``.to()`` / ``.cuda()``: keep every parameter a view of its DBuffer.
