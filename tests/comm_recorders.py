@@ -1,6 +1,8 @@
 """Custom collectives that record what they do (FSDP2's ``AllGather`` / ``ReduceScatter``
 interface): every block their ``allocate`` handed out (address, bytes) and every call, so a
-test can check that a system ran its collectives through them and on their memory."""
+test can check that a system ran its collectives through them and on their memory. They run
+the collective DBuffer runs by default on the group (on gloo its in-place versions), so
+results can be compared bit for bit."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from dbuffer import gloo_collectives
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 
@@ -30,7 +33,7 @@ class _Blocks:
 
 
 class RecordingAllGather(_Blocks, AllGather):
-    """``dist.all_gather_single``, counted."""
+    """DBuffer's default all-gather, counted."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -39,12 +42,14 @@ class RecordingAllGather(_Blocks, AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
         self.calls += 1
-        return dist.all_gather_single(output_tensor, input_tensor, group=group,
-                                      async_op=async_op)
+        gather = (gloo_collectives.all_gather_single
+                  if gloo_collectives.serves(group, output_tensor) else dist.all_gather_single)
+        return gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class RecordingReduceScatter(_Blocks, ReduceScatter):
-    """``dist.reduce_scatter_single``, with the ops it was called with."""
+    """DBuffer's default reduce-scatter of an input it may consume, with the ops it was
+    called with."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -54,5 +59,7 @@ class RecordingReduceScatter(_Blocks, ReduceScatter):
                  group: dist.ProcessGroup, op: dist.ReduceOp,
                  async_op: bool = False) -> dist.Work | None:
         self.ops.append(op)
-        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
-                                          async_op=async_op)
+        scatter = (gloo_collectives.reduce_scatter_single
+                   if gloo_collectives.serves(group, input_tensor)
+                   else dist.reduce_scatter_single)
+        return scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)

@@ -4,7 +4,9 @@ An independent check of zero-copy next to the profiler: the tensors handed to
 ``all_gather_single`` / ``reduce_scatter_single`` / ``all_reduce`` must be DBuffer's own
 buffers (by ``data_ptr``), so a copy-in or copy-out around a collective cannot hide, and the
 number of calls counts the collectives (nested calls inside torch.distributed are not
-double-counted).
+double-counted). DBuffer's in-place gloo versions (:mod:`dbuffer.gloo_collectives`) are
+recorded under the names of the collectives they replace, their broadcasts and reduces
+inside them not at all.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dbuffer import gloo_collectives
 from torch.distributed import distributed_c10d
 
 WATCHED = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
            "reduce_scatter_tensor", "all_reduce", "all_gather",
            "all_gather_object", "broadcast", "broadcast_object_list", "all_to_all_single",
-           "barrier", "reduce_scatter", "gather", "scatter")
+           "barrier", "reduce_scatter", "reduce", "gather", "scatter")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ def record_collectives() -> Iterator[list[Call]]:
     log: list[Call] = []
     depth = [0]
     originals = {name: getattr(distributed_c10d, name) for name in WATCHED}
+    gloo = {name: getattr(gloo_collectives, name)
+            for name in ("all_gather_single", "reduce_scatter_single")}
 
     def wrap(name: str, original: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -76,9 +81,13 @@ def record_collectives() -> Iterator[list[Call]]:
         patched = wrap(name, original)
         setattr(distributed_c10d, name, patched)
         setattr(dist, name, patched)
+    for name, original in gloo.items():
+        setattr(gloo_collectives, name, wrap(name, original))
     try:
         yield log
     finally:
         for name, original in originals.items():
             setattr(distributed_c10d, name, original)
             setattr(dist, name, original)
+        for name, original in gloo.items():
+            setattr(gloo_collectives, name, original)

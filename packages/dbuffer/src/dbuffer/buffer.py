@@ -800,7 +800,11 @@ class DBuffer:
         else:
             out = allocate(comm, self.shard_size, self.reduce_dtype, self.device,
                            "reduce-scatter output")
-        work = reduce_scatter_into(out, full, self.topology.shard_group, async_op, comm)
+        # The collective may use the input as scratch unless it is the gradient buffer the
+        # caller keeps.
+        consume = free_grad or full is not grad.tensor
+        work = reduce_scatter_into(out, full, self.topology.shard_group, async_op, comm,
+                                   consume=consume)
 
         def finish() -> None:
             with record_function("dbuffer::reduce_scatter_finish"):

@@ -16,6 +16,10 @@ the whole input (one copy unless it is the same memory), and the all-reduce is t
 float8 buffers travel as bytes (``.view(torch.uint8)``): gloo has no float8 type, and an
 all-gather moves bytes without arithmetic.
 
+On gloo groups the two collectives run as in-place broadcasts and reduces
+(:mod:`dbuffer.gloo_collectives`): gloo's own versions stage the whole tensor through a
+temporary and are slower.
+
 A caller may replace either collective with its own (:class:`AllGatherComm`,
 :class:`ReduceScatterComm`: FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``
 interface): the object then allocates the buffers that collective touches
@@ -33,6 +37,7 @@ import torch.distributed as dist
 from ragged_dtensor import collective_guard
 from torch.profiler import record_function
 
+from dbuffer import gloo_collectives
 from dbuffer.errors import BYTE_DTYPES
 
 
@@ -42,7 +47,7 @@ class CollectiveHandle:
     ``wait()`` is idempotent; the handle keeps every buffer the collective uses alive.
     """
 
-    def __init__(self, work: dist.Work | None, guard: collective_guard,
+    def __init__(self, work: dist.Work | gloo_collectives.Works | None, guard: collective_guard,
                  then: Callable[[], None] | None = None, *,
                  keep_version: torch.autograd._unsafe_preserve_version_counter | None = None
                  ) -> None:
@@ -153,7 +158,8 @@ def _local_copy(output: torch.Tensor, source: torch.Tensor) -> None:
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
-                    async_op: bool, comm: AllGatherComm | None = None) -> dist.Work | None:
+                    async_op: bool, comm: AllGatherComm | None = None
+                    ) -> dist.Work | gloo_collectives.Works | None:
     """Gather every rank's ``shard`` into ``output`` (rank r's at ``[r*S, (r+1)*S)``).
 
     ``shard`` may be the slice of ``output`` this rank owns (an in-place all-gather). On a
@@ -167,15 +173,20 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
         if comm is not None:
             return comm(output_tensor=_wire(output), input_tensor=_wire(shard), group=group,
                         async_op=async_op)
-        return dist.all_gather_single(_wire(output), _wire(shard), group=group,
-                                      async_op=async_op)
+        gather = (gloo_collectives.all_gather_single if gloo_collectives.serves(group, output)
+                  else dist.all_gather_single)
+        return gather(_wire(output), _wire(shard), group=group, async_op=async_op)
 
 
 def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
-                        async_op: bool, comm: ReduceScatterComm | None = None
-                        ) -> dist.Work | None:
+                        async_op: bool, comm: ReduceScatterComm | None = None, *,
+                        consume: bool = False) -> dist.Work | gloo_collectives.Works | None:
     """Sum ``full`` over the ranks and leave this rank's ``S``-element slice in ``output``,
     with a custom ``comm`` if given.
+
+    ``consume=True`` lets the collective use ``full`` as scratch (its values are undefined
+    afterwards), which the in-place gloo path needs; without it gloo's own reduce-scatter
+    runs.
 
     On a one-rank group: a local copy (none when ``output`` is ``full``), ``None``, custom
     comm or not (FSDP2 calls none there either)."""
@@ -186,8 +197,10 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: dist.Pr
         if comm is not None:
             return comm(output_tensor=output, input_tensor=full, group=group,
                         op=dist.ReduceOp.SUM, async_op=async_op)
-        return dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group,
-                                          async_op=async_op)
+        scatter = (gloo_collectives.reduce_scatter_single
+                   if consume and gloo_collectives.serves(group, full)
+                   else dist.reduce_scatter_single)
+        return scatter(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
