@@ -101,11 +101,6 @@ EXCLUSIONS: dict[str, Exclusion] = {
     _TRAINING + "TestFullyShard1DTrainingCompose.test_partial_group_forward_grad_accum_chunked":
         Exclusion("grouped_p.grad.to_local() == ungrouped_p.grad.to_local() (shard shapes "
                   "independent of the grouping)"),
-    # With the three count assertions removed the test passes on fsdp (checked on
-    # 2026-11-26, 2 and 4 ranks): losses equal the reference's exactly, shards match.
-    _TRAINING + "TestFullyShardGradientAccumulation.test_gradient_accumulation": Exclusion(
-        "CommDebugMode counts of c10d _allgather_base_ / _reduce_scatter_base_ (on gloo fsdp "
-        "gathers and reduces with in-place broadcast_ / reduce_ per rank)"),
     _TRAINING + "TestFullyShard1DTrainingCompose.test_partial_group_forward_then_standalone":
         Exclusion("ug_p.grad.to_local() == fsdp_p.grad.to_local() across groupings (shard "
                   "shapes independent of the grouping)"),

@@ -1,9 +1,10 @@
 """DBuffer's in-place collectives on gloo (``dbuffer.gloo_collectives``): the same values as
 gloo's own ``all_gather_single`` / ``reduce_scatter_single`` for every dtype DBuffer moves,
 sync and async, at world sizes 2 and 3; no allocation while they run where gloo's own stage the
-whole tensor (exact allocator bytes); DBuffer runs them only where it may: the reduce-scatter
-destroys its input, so a reduction that keeps the unsharded gradients (``free_grad=False``)
-runs gloo's own and leaves them intact."""
+whole tensor (exact allocator bytes); DBuffer runs them only where it may and where they pay
+off: the reduce-scatter destroys its input, so a reduction that keeps the unsharded gradients
+(``free_grad=False``) runs gloo's own and leaves them intact, and slices under
+``MIN_SLICE_BYTES`` run gloo's own single collective (lower latency)."""
 
 from __future__ import annotations
 
@@ -157,38 +158,71 @@ def _dist_calls(fn: Any) -> list[str]:
     return names
 
 
-def _dbuffer_case(seed: int) -> list[str]:
+def _dbuffer_case(seed: int, min_slice_bytes: int) -> list[str]:
+    """One plan's gather and reduction with the slice threshold at ``min_slice_bytes`` (0:
+    every slice qualifies; the default: these small slices run gloo's own)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     p = random_plan(random.Random(seed), world)
     full = full_tensors(p, seed)
     problems = []
-    for free_grad in (True, False):
-        buf = DBuffer.from_tensors(full, p)
-        gather = _dist_calls(buf.all_gather)
-        if gather != ["broadcast"] * world:
-            problems.append(f"all-gather ran {gather}")
-        if any(not torch.equal(buf.unsharded_view(n), full[n]) for n in full):
-            problems.append("all-gather values")
-        grads = rank_grads(p, seed, rank)
-        for n in buf.trainable:
-            buf.grad_view(n).copy_(grads[n])
-        kept = buf.grad_buffer.clone()
-        scatter = _dist_calls(lambda: buf.reduce_scatter("sum", free_grad=free_grad))
-        expected = ["reduce"] * world if free_grad else ["reduce_scatter_single"]
-        if scatter != expected:
-            problems.append(f"free_grad={free_grad}: reduce-scatter ran {scatter}")
-        if not free_grad and not torch.equal(buf.grad_buffer, kept):
-            problems.append("free_grad=False: the unsharded gradients changed")
-        totals = {n: sum(rank_grads(p, seed, r)[n] for r in range(world)) for n in buf.trainable}
-        for n in buf.trainable:
-            start, end = p.local_range(n, rank)
-            got = buf.sharded_grad_view(n)
-            if not torch.equal(got, totals[n].reshape(-1)[start:end]):  # dyadic: exact
-                problems.append(f"free_grad={free_grad}: reduced gradient of {n!r}")
+    default, gloo_collectives.MIN_SLICE_BYTES = gloo_collectives.MIN_SLICE_BYTES, min_slice_bytes
+    try:
+        for free_grad in (True, False):
+            problems += _dbuffer_round(p, full, seed, free_grad, in_place=min_slice_bytes == 0)
+    finally:
+        gloo_collectives.MIN_SLICE_BYTES = default
+    return problems
+
+
+def _dbuffer_round(p: Any, full: dict[str, torch.Tensor], seed: int, free_grad: bool,
+                   in_place: bool) -> list[str]:
+    """One gather and one reduction: which collectives ran, and their values."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    problems = []
+    buf = DBuffer.from_tensors(full, p)
+    gather = _dist_calls(buf.all_gather)
+    if gather != (["broadcast"] * world if in_place else ["all_gather_single"]):
+        problems.append(f"all-gather ran {gather}")
+    if any(not torch.equal(buf.unsharded_view(n), full[n]) for n in full):
+        problems.append("all-gather values")
+    grads = rank_grads(p, seed, rank)
+    for n in buf.trainable:
+        buf.grad_view(n).copy_(grads[n])
+    kept = buf.grad_buffer.clone()
+    scatter = _dist_calls(lambda: buf.reduce_scatter("sum", free_grad=free_grad))
+    expected = ["reduce"] * world if free_grad and in_place else ["reduce_scatter_single"]
+    if scatter != expected:
+        problems.append(f"free_grad={free_grad}: reduce-scatter ran {scatter}")
+    if not free_grad and not torch.equal(buf.grad_buffer, kept):
+        problems.append("free_grad=False: the unsharded gradients changed")
+    totals = {n: sum(rank_grads(p, seed, r)[n] for r in range(world)) for n in buf.trainable}
+    for n in buf.trainable:
+        start, end = p.local_range(n, rank)
+        got = buf.sharded_grad_view(n)
+        if not torch.equal(got, totals[n].reshape(-1)[start:end]):  # dyadic: exact
+            problems.append(f"free_grad={free_grad}: reduced gradient of {n!r}")
     return problems
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_dbuffer_runs_them_only_where_the_input_may_be_destroyed(ranks: Any, world: int) -> None:
-    for problems in ranks.run(world, _dbuffer_case, 11):
+    for problems in ranks.run(world, _dbuffer_case, 11, 0):
         assert problems == []
+
+
+def test_small_slices_run_gloos_own(ranks: Any) -> None:
+    for problems in ranks.run(3, _dbuffer_case, 11, gloo_collectives.MIN_SLICE_BYTES):
+        assert problems == []
+
+
+def _threshold_case() -> list[bool]:
+    world = dist.get_world_size()
+    group = dist.group.WORLD
+    at = world * gloo_collectives.MIN_SLICE_BYTES
+    return [gloo_collectives.serves(group, torch.empty(at, dtype=torch.uint8)),
+            gloo_collectives.serves(group, torch.empty(at - world, dtype=torch.uint8)),
+            gloo_collectives.serves(group, torch.empty(at // 4, dtype=torch.float32))]
+
+
+def test_serves_slices_from_the_threshold_up(ranks: Any) -> None:
+    assert ranks.run(2, _threshold_case) == [[True, False, True]] * 2
