@@ -6,7 +6,7 @@ sums to the count), the same FSDP2 run read twice gives ratio 1.00 in every phas
 ``benchmarks/memory.py``'s per-phase figures on a small model compare fsdp with FSDP2: the
 forward peak and the live bytes between steps are at most FSDP2's, and no sharded gradient
 outlives ``zero_grad(set_to_none=True)``. On this small model the backward and optimizer-step
-peaks still exceed FSDP2's (1.04 and 1.07; issue 15): a group's whole gradient buffer exists
+peaks still exceed FSDP2's (issue 15): a group's whole gradient buffer exists
 from its first gradient, where FSDP2 allocates per-parameter gradients as autograd produces
 them, and AdamW's per-tensor temporaries follow the largest local tensor (a ragged rank can
 hold a whole matrix where FSDP2 holds half). Those bounds are marked ``xfail(strict=True)``,
