@@ -454,15 +454,15 @@ def run_config(model: str, dtype: str, world: int, steps: int, with_breakdown: b
         entry["ratios_fsdp_over_fsdp2"] = {
             "peak": ours["peak_bytes"] / theirs["peak_bytes"],
             **{p: ours[p]["bytes"] / theirs[p]["bytes"] for p in PHASES}}
+        if with_breakdown:
+            entry["difference_fsdp_minus_fsdp2_bytes"] = {
+                p: {c: ours[p]["breakdown"]["bytes"][c] - theirs[p]["breakdown"]["bytes"][c]
+                    for c in CATEGORIES} for p in PHASES}
     for variant in VARIANTS:
         if variant in entry and "fsdp2" in entry:
             entry[f"ratios_{variant}_over_fsdp2"] = {
                 "peak": entry[variant]["peak_bytes"] / entry["fsdp2"]["peak_bytes"],
                 **{p: entry[variant][p]["bytes"] / entry["fsdp2"][p]["bytes"] for p in PHASES}}
-        if with_breakdown:
-            entry["difference_fsdp_minus_fsdp2_bytes"] = {
-                p: {c: ours[p]["breakdown"]["bytes"][c] - theirs[p]["breakdown"]["bytes"][c]
-                    for c in CATEGORIES} for p in PHASES}
     return entry
 
 

@@ -145,6 +145,30 @@ def test_fsdp_backward_holds_no_more_groups_than_fsdp2(figures: dict[str, Any]) 
             assert len(alive[kind]) <= len(ref[kind]), (kind, alive[kind], ref[kind])
 
 
+def test_run_config_ratios_for_any_set_of_systems(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run_config``'s ratios and byte differences, from made-up per-rank figures: a variant
+    next to FSDP2 with ``--breakdown`` and no plain fsdp run gets its ratios (no difference
+    table, which needs fsdp)."""
+    memory = _load("memory")
+    scale = {"fsdp": 3, "fsdp2": 4, "fsdp_memory_first": 2}
+
+    def fake_ranks(measure: Any, world: int, system: str, *args: Any) -> list[dict[str, Any]]:
+        def phase(i: int) -> dict[str, Any]:
+            nbytes = scale[system] * (i + 1)
+            return {"bytes": nbytes, "breakdown": {"bytes": {c: nbytes if c == memory.CATEGORIES[0]
+                                                              else 0 for c in memory.CATEGORIES}}}
+        return [{p: phase(i) for i, p in enumerate(PHASES)} for _ in range(world)]
+
+    monkeypatch.setattr(memory, "run_on_gloo_ranks", fake_ranks)
+    entry = memory.run_config("small", "fp32", 2, 1, True, ["fsdp_memory_first", "fsdp2"])
+    assert entry["ratios_fsdp_memory_first_over_fsdp2"]["peak"] == pytest.approx(0.5)
+    assert "difference_fsdp_minus_fsdp2_bytes" not in entry
+    entry = memory.run_config("small", "fp32", 2, 1, True, ["fsdp", "fsdp2"])
+    assert entry["ratios_fsdp_over_fsdp2"]["backward"] == pytest.approx(0.75)
+    diff = entry["difference_fsdp_minus_fsdp2_bytes"]["between"]
+    assert diff[memory.CATEGORIES[0]] == -4 and sum(diff.values()) == -4
+
+
 # ------------------------------------------------------------------------ the page's section
 def _side(scale: float) -> dict[str, Any]:
     figures = {p: {"bytes": int(scale * (i + 1) * 2**20)} for i, p in enumerate(PHASES)}
