@@ -7,23 +7,11 @@ ratios the issue asks for come out right and that the page and its plots are wri
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    # loaded from the file: putting benchmarks/ on sys.path would shadow the dbuffer package
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_modules import load_benchmark
 
 
 def _side(step_ms: float, peak: int, copied: int) -> dict[str, float]:
@@ -63,7 +51,7 @@ def _results() -> dict[str, object]:
 
 def test_ratios_and_page(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    run_all, render_page = _load("run_all"), _load("render_page")
+    run_all, render_page = load_benchmark("run_all"), load_benchmark("render_page")
     padding = run_all.padding_sweep([8, 1024])
     ratios = run_all.ratios(_results(), padding)
 

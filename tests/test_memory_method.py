@@ -15,33 +15,19 @@ so a fix that meets them turns into a failure until the marks come off.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.benchmark_modules import BENCHMARKS, load_benchmark
 
-
-@functools.cache
-def _load(name: str) -> ModuleType:
-    """A benchmark module from its file (putting benchmarks/ first on sys.path would shadow
-    the dbuffer package with benchmarks/dbuffer.py)."""
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 # ------------------------------------------------------------------- the method, one process
 def test_trace_counts_known_tensors() -> None:
-    alloc_bytes = _load("alloc_bytes")
+    alloc_bytes = load_benchmark("alloc_bytes")
     with alloc_bytes.AllocatorTrace() as trace:
         kept = torch.empty(1000, dtype=torch.float32)  # 4000 bytes, live to the end
         trace.mark("a")
@@ -63,7 +49,7 @@ def test_trace_counts_known_tensors() -> None:
 
 # ---------------------------------------------------------------- on gloo ranks (2 ranks)
 def _peaks(system: str, bf16: bool, breakdown: bool) -> dict[str, Any]:
-    memory = _load("memory")
+    memory = load_benchmark("memory")
     return memory.phase_peaks(system, memory.MODELS["small"], torch.bfloat16 if bf16 else None, steps=3,
                               with_breakdown=breakdown)
 
@@ -99,7 +85,7 @@ def test_breakdown_sums_to_the_allocator_count(figures: dict[str, Any], system: 
     the allocator's count; when no set of candidate blocks explains the excess, the breakdown
     shows it as unattributed (seen in one clean-clone run on 2026-11-26). So the bound holds
     for the better of the system's two runs, as the peaks take each system's smaller run."""
-    memory = _load("memory")
+    memory = load_benchmark("memory")
     model = memory.Llama(memory.MODELS["small"])
     n_params = sum(p.numel() for p in model.parameters())
     for rank, again in zip(figures[system], figures[f"{system}_again"]):
@@ -156,7 +142,7 @@ def test_run_config_ratios_for_any_set_of_systems(monkeypatch: pytest.MonkeyPatc
     """``run_config``'s ratios and byte differences, from made-up per-rank figures: a variant
     next to FSDP2 with ``--breakdown`` and no plain fsdp run gets its ratios (no difference
     table, which needs fsdp)."""
-    memory = _load("memory")
+    memory = load_benchmark("memory")
     scale = {"fsdp": 3, "fsdp2": 4, "fsdp_memory_first": 2}
 
     def fake_ranks(measure: Any, world: int, system: str, *args: Any) -> list[dict[str, Any]]:
@@ -184,7 +170,7 @@ def _side(scale: float) -> dict[str, Any]:
 
 def test_ratios_and_page_section(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    run_all, render_page = _load("run_all"), _load("render_page")
+    run_all, render_page = load_benchmark("run_all"), load_benchmark("render_page")
     entry = {"fsdp": _side(1.5), "fsdp2": _side(1.0),
              "ratios_fsdp_over_fsdp2": {"peak": 1.5, **{p: 1.5 for p in PHASES}},
              "difference_fsdp_minus_fsdp2_bytes": {p: {"sharded grads": 2**20} for p in PHASES}}
@@ -218,7 +204,7 @@ def test_silent_frees_close_the_right_allocation() -> None:
     """A free on a thread without profiler events shows only as a drop of the allocator's
     count: it closes an open block of that size, one made on a worker thread first, then one a
     collective made, then the oldest; failing one block, two whose sizes add up."""
-    alloc_bytes = _load("alloc_bytes")
+    alloc_bytes = load_benchmark("alloc_bytes")
     worker = (alloc_bytes.WORKER_SCOPE,)
     staging = ("FSDP::all_gather", "c10d::_allgather_base_", "aten::empty")
     open_allocs = {1: (10, 64, ("a",)), 2: (20, 64, ("b",)), 3: (30, 8, ("c",)),
@@ -240,7 +226,7 @@ def test_unseen_frees_are_taken_off_the_live_set() -> None:
     """A block freed on a worker while that worker allocated as much leaves no trace; the
     live set is reconciled with the allocator's count by taking off blocks a collective or a
     worker made, and only an exact sum is taken off."""
-    alloc_bytes = _load("alloc_bytes")
+    alloc_bytes = load_benchmark("alloc_bytes")
     Allocation = alloc_bytes.Allocation
     kept = Allocation(1, 100, 0, None, ("aten::empty",))
     staged = Allocation(2, 40, 1, None, ("c10d::_allgather_base_", "aten::empty"))

@@ -8,12 +8,7 @@ off: the reduce-scatter destroys its input, so a reduction that keeps the unshar
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import random
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -21,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dbuffer import DBuffer, gloo_collectives
+from tests.benchmark_modules import load_benchmark
 from tests.dbuffer.cases import full_tensors, random_plan, rank_grads
 from tests.dbuffer.collective_log import WATCHED
 from torch.distributed import distributed_c10d
@@ -79,19 +75,10 @@ def test_values_equal_gloos_own_collectives(ranks: Any, world: int) -> None:
         assert problems == []
 
 
-@functools.cache
-def _alloc_bytes() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "alloc_bytes.py"
-    spec = importlib.util.spec_from_file_location("_bench_alloc_bytes", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 def _extra_bytes(run: Any) -> int:
     """Peak allocator bytes while ``run`` runs, over the bytes before it."""
-    alloc_bytes = _alloc_bytes()
+    alloc_bytes = load_benchmark("alloc_bytes")
     alloc_bytes.report_cpu_memory(True)
     try:
         with alloc_bytes.AllocatorTrace() as trace:
@@ -161,7 +148,7 @@ def _dist_calls(fn: Any) -> list[str]:
 def _dbuffer_case(seed: int, min_slice_bytes: int) -> list[str]:
     """One plan's gather and reduction with the slice threshold at ``min_slice_bytes`` (0:
     every slice qualifies; the default: these small slices run gloo's own)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     p = random_plan(random.Random(seed), world)
     full = full_tensors(p, seed)
     problems = []

@@ -8,21 +8,10 @@ test_catalog_report_cli.py keep a coarse bound on it.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "planner.py"
-
-
-def _benchmark_module():
-    spec = importlib.util.spec_from_file_location("planner_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from tests.benchmark_modules import load_benchmark
 
 def test_every_padding_target_is_met_on_the_catalog() -> None:
-    bench = _benchmark_module()
+    bench = load_benchmark("planner")
     rows = bench.padding_grid(["rows:1", "rows:16"])
     assert len(rows) >= 100
     results = bench.padding_targets(rows)
