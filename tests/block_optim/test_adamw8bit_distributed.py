@@ -290,19 +290,20 @@ def test_torch_distributed_state_dict_api_round_trip(ranks: Any, tmp_path: Any) 
     ranks.run(2, _case_torch_state_dict_api, str(tmp_path / "ckpt"))
 
 
-def _case_tensor_parallel() -> str:
-    """A RaggedShard beside a tensor-parallel Shard (fsdp over TP): the 8-bit blocks are
-    planned on one sharded mesh dim, so the step refuses the parameter."""
+def _case_two_sharded_mesh_dims() -> str:
+    """``Shard`` on two mesh dims with no RaggedShard: no rank holds one flat run of a tensor
+    it could quantize alone, so the step refuses the parameter (a RaggedShard beside TP
+    placements is supported: test_adamw8bit_tensor_parallel.py)."""
     mesh = device_mesh(2, 2)
     whole = DTensor.from_local(torch.randn(8, 256), mesh, [Replicate(), Replicate()],
                                run_check=False)
-    param = whole.redistribute(mesh, [Shard(0), RaggedShard((0,), (1, 1))])
+    param = whole.redistribute(mesh, [Shard(0), Shard(1)])
     param.grad = param.detach().clone()
     with pytest.raises(ValueError) as caught:
         AdamW8bit([param], min_8bit_numel=256).step()
     return str(caught.value)
 
 
-def test_tensor_parallel_parameters_are_refused_on_every_rank(ranks: Any) -> None:
-    messages = ranks.run(4, _case_tensor_parallel)
-    assert all("sharded on 2 mesh dims" in m and "Shard(dim=0)" in m for m in messages), messages
+def test_two_sharded_mesh_dims_are_refused_on_every_rank(ranks: Any) -> None:
+    messages = ranks.run(4, _case_two_sharded_mesh_dims)
+    assert all("sharded on 2 mesh dims" in m and "Shard(dim=1)" in m for m in messages), messages

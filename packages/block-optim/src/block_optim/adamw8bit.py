@@ -14,6 +14,15 @@ block-aligned ``RaggedShard`` around the step (one ``all_to_all_single`` each wa
 parameters together), with a one-time warning naming it. The state of a quantized parameter is
 a flat 1-D DTensor in that aligned layout, so DCP saves codes and scales by global offset and
 re-loads them under any other aligned layout or world size.
+
+Tensor-parallel parameters (fsdp over TP: a ``RaggedShard`` beside TP ``Shard``/``Replicate``
+placements, :mod:`ragged_dtensor.composed`): each TP rank's TP-local tensor is a tensor of its
+own, exactly as if ``AdamW8bit`` ran on it in one process: its blocks are 256-element blocks of
+the TP-local tensor flattened (the tensor fsdp plans and its RaggedShard cuts), and the fp32
+threshold is decided on the TP-local numel (what ``unit_policy`` sees under fsdp, so the two
+agree). Alignment is that of the RaggedShard over the TP-local tensor; a misaligned one is
+redistributed on the ragged mesh dim only, TP placements kept. The state is flat in TP-rank
+order: ``(tp_pieces * local_numel,)`` codes placed ``(RaggedShard, Shard(0) | Replicate)``.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, Shard
 
 from ragged_dtensor import (
     RaggedShard,
@@ -34,10 +43,11 @@ from ragged_dtensor import (
     raise_on_any_rank,
     redistribute_many,
 )
+from ragged_dtensor.composed import ragged_shape
 
 from block_optim.adamw8bit_kernels import adamw8bit_step_
 from block_optim.adamw8bit_math import AdamWScalars, QuantizedMoments, adamw_fp32_step_
-from block_optim.alignment import aligned_cuts, cuts_on_units, placements_for, warn_once
+from block_optim.alignment import aligned_cuts, placements_for, tp_local_cuts, warn_once
 from block_optim.param_state import (
     as_tuple,
     check_hyperparameters,
@@ -68,12 +78,15 @@ class _Layout:
             ``None`` for a plain tensor.
         code_placements: placements of the flat ``(numel,)`` code tensors (``None``: plain).
         absmax_placements: placements of the flat ``(blocks,)`` scale tensors.
+        blocks: global length of the scale tensors: the blocks of the tensor, or of every
+            TP-local tensor together for a tensor-parallel parameter.
     """
 
     quantized: bool
     step_placements: tuple[Placement, ...] | None = None
     code_placements: tuple[Placement, ...] | None = None
     absmax_placements: tuple[Placement, ...] | None = None
+    blocks: int = 0
 
 
 def _check_hyperparameters(group: dict[str, Any]) -> None:
@@ -91,8 +104,11 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
 def _flat_placements(
     placements: Sequence[Placement], mesh_dim: int | None, counts: Sequence[int], numel: int
 ) -> tuple[Placement, ...]:
-    """``placements`` with the sharded mesh dim replaced by a RaggedShard of a flat vector."""
-    out = list(placements)
+    """``placements`` for a flat state vector: the sharded mesh dim becomes a RaggedShard of
+    ``numel`` elements (the tensor, or one TP-local tensor, flattened) cut into ``counts``, a
+    tensor-parallel ``Shard(d)`` becomes ``Shard(0)`` (one run of the vector per TP-local
+    tensor, in TP-rank order)."""
+    out = [Shard(0) if type(p) is Shard else p for p in placements]
     if mesh_dim is not None:
         out[mesh_dim] = RaggedShard.from_element_counts((numel,), counts)
     return tuple(out)
@@ -105,8 +121,9 @@ class AdamW8bit(torch.optim.Optimizer):
     ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``,
     ``p = p (1 - lr wd) - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``.
 
-    Accepts plain tensors and DTensor parameters (RaggedShard, Shard, Replicate) with the same
-    math; see the module docstring for the distributed behaviour.
+    Accepts plain tensors and DTensor parameters (RaggedShard, Shard, Replicate, and a
+    RaggedShard beside tensor-parallel Shard/Replicate) with the same math; see the module
+    docstring for the distributed behaviour.
 
     Args:
         params: parameters or parameter groups (named parameters are used in messages).
@@ -115,7 +132,8 @@ class AdamW8bit(torch.optim.Optimizer):
         eps: denominator epsilon (> 0).
         weight_decay: decoupled weight decay (>= 0).
         block_size: elements per quantization block (a power of two; 256 as bitsandbytes).
-        min_8bit_numel: tensors with fewer elements (global numel) keep fp32 moments.
+        min_8bit_numel: tensors with fewer elements (global numel; the TP-local numel of a
+            tensor-parallel parameter) keep fp32 moments.
 
     Raises:
         ValueError: for out-of-range hyper-parameters.
@@ -166,6 +184,8 @@ class AdamW8bit(torch.optim.Optimizer):
         Returns:
             ``(name, param) -> unit`` in elements: ``block_size`` for a tensor whose moments
             will be quantized (so no block is ever cut), 1 for one that keeps fp32 moments.
+            fsdp calls it with the TP-local tensor of a tensor-parallel parameter, the tensor
+            the optimizer quantizes and decides the threshold on, so the two agree.
         """
 
         def unit(name: str, param: torch.Tensor) -> int:
@@ -184,16 +204,17 @@ class AdamW8bit(torch.optim.Optimizer):
         cached = self._layouts.get(param)
         if cached is not None:
             return cached
-        numel = param.numel()
+        piece = tp_local_cuts(param) if isinstance(param, DTensor) else None
+        numel = piece.numel if piece is not None else param.numel()   # TP-local under TP
         quantized = numel >= self.min_8bit_numel
         if not isinstance(param, DTensor):
-            layout = _Layout(quantized)
+            layout = _Layout(quantized, blocks=num_blocks(numel, self.block_size))
         elif not quantized:
             layout = _Layout(False, tuple(param.placements))
         else:
             cuts = aligned_cuts(param, self.block_size)
             step_placements = tuple(param.placements)
-            if not cuts_on_units(param, self.block_size):
+            if cuts != piece:
                 step_placements = placements_for(param, cuts)
                 warn_once(
                     "AdamW8bit", name,
@@ -210,8 +231,8 @@ class AdamW8bit(torch.optim.Optimizer):
                 True,
                 step_placements,
                 _flat_placements(step_placements, cuts.mesh_dim, code_counts, numel),
-                _flat_placements(step_placements, cuts.mesh_dim, block_counts,
-                                 num_blocks(numel, self.block_size)),
+                _flat_placements(step_placements, cuts.mesh_dim, block_counts, block_bounds[-1]),
+                param.numel() // numel * block_bounds[-1],
             )
         self._layouts[param] = layout
         return layout
@@ -227,13 +248,15 @@ class AdamW8bit(torch.optim.Optimizer):
 
     def _local_count(self, param: torch.Tensor, placements: tuple[Placement, ...] | None,
                      numel: int) -> int:
-        """Elements this rank holds of a flat ``(numel,)`` tensor with ``placements``."""
+        """Elements this rank holds of a flat ``(numel,)`` tensor with ``placements`` (the
+        RaggedShard cuts the TP-local run beside tensor-parallel ``Shard(0)``)."""
         if placements is None:
             return numel
         for mesh_dim, placement in enumerate(placements):
             if is_ragged(placement):
                 coord = param.device_mesh.get_local_rank(mesh_dim)
-                return placement.local_numel((numel,), coord)
+                shape = ragged_shape(param.device_mesh, placements, (numel,))
+                return placement.local_numel(shape, coord)
         return numel
 
     def _init_param_state(self, param: torch.Tensor, layout: _Layout) -> dict[str, Any]:
@@ -244,7 +267,7 @@ class AdamW8bit(torch.optim.Optimizer):
             state["exp_avg_sq"] = zeros_like_param(param, torch.float32)
             return state
         device = local(param).device
-        numel, blocks = param.numel(), num_blocks(param.numel(), self.block_size)
+        numel, blocks = param.numel(), layout.blocks
         count = self._local_count(param, layout.code_placements, numel)
         signed, unsigned = self._maps_on(device)
         for prefix, qmap in (("exp_avg", signed), ("exp_avg_sq", unsigned)):
@@ -404,7 +427,7 @@ class AdamW8bit(torch.optim.Optimizer):
                 f"AdamW8bit: saved state of parameter '{name}' has {sorted(tensors)}, expected "
                 f"{sorted(keys)} for a tensor of {param.numel()} elements"
             )
-        numel, blocks = param.numel(), num_blocks(param.numel(), self.block_size)
+        numel, blocks = param.numel(), layout.blocks
         expected = {key: local(param).numel() for key in FP32_KEYS}
         if layout.quantized:
             codes = self._local_count(param, layout.code_placements, numel)

@@ -12,6 +12,14 @@ A layout is *flat-contiguous* when every rank of the sharded mesh dimension hold
 contiguous range of the row-major flattened tensor: ``RaggedShard``, and ``Shard(d)`` whose
 leading dims ``shape[:d]`` have a single element. Anything else (``Shard(1)`` of a matrix,
 ``Partial``, two sharded mesh dims) is never aligned.
+
+A ``RaggedShard`` beside tensor-parallel ``Shard`` placements (fsdp over TP,
+:mod:`ragged_dtensor.composed`) cuts each rank's *TP-local* tensor, never the global one. An
+elementwise optimizer whose units are blocks of the flattened tensor (8-bit Adam) can treat
+each TP-local tensor as a tensor of its own: :func:`tp_local_cuts` gives the RaggedShard's cuts
+of it (the TP placements cut nothing further inside it), and :func:`aligned_cuts` aligns them,
+keeping the TP placements. Whole-matrix optimizers must not: a TP-local tensor is a piece of
+their matrix (they ask :func:`flat_cuts`, which has no flat cuts for such a layout).
 """
 
 from __future__ import annotations
@@ -25,7 +33,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from ragged_dtensor import RaggedShard
+from ragged_dtensor.composed import is_composed, is_tp_shard, ragged_shape
 from ragged_dtensor.flat_layout import FlatLayout
+from ragged_dtensor.placement import find_ragged
 from ragged_dtensor.ragged_math import chunk_bounds
 
 
@@ -39,12 +49,18 @@ class FlatCuts:
         bounds: ``mesh.size(mesh_dim) + 1`` offsets from 0 to numel; coordinate ``r`` on
             ``mesh_dim`` holds flat ``[bounds[r], bounds[r + 1])``. ``(0, numel)`` when
             replicated.
-        numel: elements of the global tensor.
+        shape: the shape the cuts cut: the global shape, or the TP-local shape for
+            :func:`tp_local_cuts` of a RaggedShard beside tensor-parallel placements.
     """
 
     mesh_dim: int | None
     bounds: tuple[int, ...]
-    numel: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the tensor the cuts cut (``shape``)."""
+        return math.prod(self.shape)
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -85,12 +101,40 @@ def flat_cuts(dtensor: DTensor) -> FlatCuts | None:
     numel = math.prod(shape)
     sharded = [(d, p) for d, p in enumerate(dtensor.placements) if not isinstance(p, Replicate)]
     if not sharded:
-        return FlatCuts(None, (0, numel), numel)
+        return FlatCuts(None, (0, numel), shape)
     if len(sharded) > 1:
         return None
     mesh_dim, placement = sharded[0]
     bounds = _placement_bounds(placement, shape, dtensor.device_mesh.size(mesh_dim))
-    return None if bounds is None else FlatCuts(mesh_dim, bounds, numel)
+    return None if bounds is None else FlatCuts(mesh_dim, bounds, shape)
+
+
+def tp_local_cuts(dtensor: DTensor) -> FlatCuts | None:
+    """The flat cuts of the tensor each rank computes on alone, for an elementwise optimizer.
+
+    For a ``RaggedShard`` beside tensor-parallel ``Shard``/``Replicate`` placements (fsdp over
+    TP) these are the RaggedShard's cuts of the TP-local tensor (``shape`` the TP-local shape,
+    from :func:`ragged_dtensor.composed.ragged_shape`): the TP ``Shard`` dims hand each TP rank
+    a tensor of its own and cut nothing inside it. Every TP rank has the same TP-local shape
+    (only even TP cuts compose), so the cuts are global facts. Any other layout: :func:`flat_cuts`.
+
+    Args:
+        dtensor: a DTensor on any mesh.
+
+    Returns:
+        The :class:`FlatCuts` of the TP-local tensor (or of the tensor); ``None`` for layouts a
+        rank cannot own as one flat run.
+    """
+    placements = tuple(dtensor.placements)
+    if not is_composed(placements):
+        return flat_cuts(dtensor)
+    mesh_dim, ragged = find_ragged(placements)
+    others = [p for d, p in enumerate(placements) if d != mesh_dim]
+    if not all(is_tp_shard(p) or isinstance(p, Replicate) for p in others):
+        return None
+    shape = ragged_shape(dtensor.device_mesh, placements, tuple(dtensor.shape))
+    bounds = _placement_bounds(ragged, shape, dtensor.device_mesh.size(mesh_dim))
+    return None if bounds is None else FlatCuts(mesh_dim, bounds, shape)
 
 
 def cuts_on_units(dtensor: DTensor, unit: int) -> bool:
@@ -157,7 +201,8 @@ def aligned_cuts(dtensor: DTensor, unit: int) -> FlatCuts:
 
     The current cuts are moved to the nearest unit boundary (:func:`aligned_bounds`); a layout
     that is not flat-contiguous starts from an even split of the flattened tensor. An aligned
-    layout is returned unchanged.
+    layout is returned unchanged. A RaggedShard beside tensor-parallel placements is aligned
+    on its TP-local tensor (:func:`tp_local_cuts`): only the ragged mesh dim's cuts move.
 
     Args:
         dtensor: the DTensor to align.
@@ -167,29 +212,32 @@ def aligned_cuts(dtensor: DTensor, unit: int) -> FlatCuts:
         The aligned :class:`FlatCuts` on the sharded mesh dimension.
 
     Raises:
-        ValueError: if more than one mesh dimension shards the tensor.
+        ValueError: if more than one mesh dimension shards the tensor (a RaggedShard beside
+            tensor-parallel ``Shard`` placements excepted).
     """
-    cuts = flat_cuts(dtensor)
-    if cuts is not None and cuts.on_units(unit):
-        return cuts
+    cuts = tp_local_cuts(dtensor)
+    if cuts is not None:
+        if cuts.on_units(unit):
+            return cuts
+        return FlatCuts(cuts.mesh_dim, aligned_bounds(cuts.bounds, unit, cuts.numel), cuts.shape)
     sharded = [d for d, p in enumerate(dtensor.placements) if not isinstance(p, Replicate)]
     if len(sharded) != 1:
         raise ValueError(
             f"cannot align a tensor sharded on {len(sharded)} mesh dims "
-            f"(placements {tuple(dtensor.placements)}); shard it on one mesh dim"
+            f"(placements {tuple(dtensor.placements)}); shard it on one mesh dim, or put a "
+            "RaggedShard beside tensor-parallel Shard/Replicate placements"
         )
-    numel = math.prod(dtensor.shape)
-    start = cuts.bounds if cuts is not None else chunk_bounds(
-        numel, dtensor.device_mesh.size(sharded[0]))
-    return FlatCuts(sharded[0], aligned_bounds(start, unit, numel), numel)
+    shape = tuple(dtensor.shape)
+    start = chunk_bounds(math.prod(shape), dtensor.device_mesh.size(sharded[0]))
+    return FlatCuts(sharded[0], aligned_bounds(start, unit, math.prod(shape)), shape)
 
 
 def placements_for(dtensor: DTensor, cuts: FlatCuts) -> tuple[Placement, ...]:
     """``dtensor``'s placements with its sharded mesh dimension replaced by the RaggedShard of
-    ``cuts`` (``Replicate`` dimensions stay).
+    ``cuts`` (``Replicate`` and tensor-parallel ``Shard`` dimensions stay).
 
     Args:
-        dtensor: the DTensor (gives the shape and the other mesh dims' placements).
+        dtensor: the DTensor (gives the other mesh dims' placements).
         cuts: the flat cuts to realise, e.g. from :func:`aligned_cuts`.
 
     Returns:
@@ -197,7 +245,7 @@ def placements_for(dtensor: DTensor, cuts: FlatCuts) -> tuple[Placement, ...]:
     """
     placements = list(dtensor.placements)
     if cuts.mesh_dim is not None:
-        placements[cuts.mesh_dim] = aligned_ragged_shard(tuple(dtensor.shape), cuts.bounds)
+        placements[cuts.mesh_dim] = aligned_ragged_shard(cuts.shape, cuts.bounds)
     return tuple(placements)
 
 
