@@ -7,7 +7,8 @@ gradients every rank's run of the parameter, and both moments' codes and scales 
 the whole flat state, in TP-rank order), equal the reference bit for bit: TP ``Shard(0)``,
 ``Shard(1)`` and ``Replicate`` beside the RaggedShard, the ragged mesh dim outer or inner,
 dp cuts on block boundaries (no collective in the step) and inside blocks (redistributed
-along the ragged mesh dim only, with a warning naming the parameter).
+along the ragged mesh dim only, with a warning naming the parameter). A DCP checkpoint of the
+state re-loads under another dp cut and the next step matches.
 """
 
 from __future__ import annotations
@@ -174,3 +175,35 @@ def test_composed_cuts_are_those_of_the_tp_local_tensor(ranks: Any) -> None:
     for rank_out in ranks.run(4, _case_cuts):
         for name, got, want in rank_out:
             assert got == want, name
+
+
+def _case_checkpoint(path: str) -> list[str]:
+    """Save the state under one aligned dp cut, load it under another (DCP moves each TP rank's
+    codes and scales by offset within its TP-local run), step both: the same parameters."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = device_mesh(2, 2)
+    full, grads = _full_tensors((40, 64), 0)
+    params = [torch.nn.Parameter(_composed(full, mesh, 0, Shard(0), units))
+              for units in ((4, 16), (12, 8))]           # TP-local cut at 256, then at 768
+    opts = [AdamW8bit([("w", p)], lr=1e-2, min_8bit_numel=MIN_8BIT) for p in params]
+    params[0].grad = _composed(grads[0], mesh, 0, Shard(0), (4, 16))
+    opts[0].step()
+    params[1].detach().copy_(params[0].detach().redistribute(mesh, params[1].placements))
+    dcp.save({"optim": opts[0].state_dict()}, checkpoint_id=path)
+    opts[1].init_state()
+    state = {"optim": opts[1].state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    opts[1].load_state_dict(state["optim"])
+    for p, opt, units in zip(params, opts, ((4, 16), (12, 8))):
+        p.grad = _composed(grads[1], mesh, 0, Shard(0), units)
+        opt.step()
+    mismatches = [key for key, value in opts[0].state[params[0]].items()
+                  if not torch.equal(_full(value), _full(opts[1].state[params[1]][key]))]
+    if not torch.equal(params[0].full_tensor(), params[1].full_tensor()):
+        mismatches.append("param")
+    return mismatches
+
+
+def test_state_reloads_under_another_dp_cut(ranks: Any, tmp_path: Any) -> None:
+    assert ranks.run(4, _case_checkpoint, str(tmp_path / "ckpt")) == [[]] * 4

@@ -116,7 +116,8 @@ def tp_local_cuts(dtensor: DTensor) -> FlatCuts | None:
     TP) these are the RaggedShard's cuts of the TP-local tensor (``shape`` the TP-local shape,
     from :func:`ragged_dtensor.composed.ragged_shape`): the TP ``Shard`` dims hand each TP rank
     a tensor of its own and cut nothing inside it. Every TP rank has the same TP-local shape
-    (only even TP cuts compose), so the cuts are global facts. Any other layout: :func:`flat_cuts`.
+    (only even TP cuts compose), so the cuts are global facts. Any other layout:
+    :func:`flat_cuts`.
 
     Args:
         dtensor: a DTensor on any mesh.
