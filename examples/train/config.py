@@ -99,10 +99,9 @@ class TrainConfig:
                              f"ffn_dim={self.ffn_dim} and seq_len={self.seq_len} (tensor "
                              "parallelism cuts whole heads, equal SwiGLU slices and equal "
                              "sequence-parallel slices)")
-        if self.tp > 1 and (self.optimizer != "adamw" or self.fp8):
-            raise ValueError(f"tp={self.tp} runs with optimizer adamw and without fp8 (block "
-                             "optimizers and FP8 all-gathers of tensor-parallel weights are "
-                             "not supported yet)")
+        if self.tp > 1 and self.fp8:
+            raise ValueError(f"tp={self.tp} runs without fp8 (FP8 all-gathers of "
+                             "tensor-parallel weights are not supported yet)")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"dim={self.dim} must split into n_heads={self.n_heads} heads of "
                              "even width (rotary embeddings rotate pairs)")
