@@ -8,7 +8,8 @@ gradients and steps a one-process copy of the optimizer with them; after three s
 combined-mesh parameters are *bit-equal* to that copy's (Muon with fp32 Newton-Schulz,
 Shampoo in fp32). Training then matches one process on the global batch as closely as the
 same optimizer under fsdp without TP (orthogonalization and inverse roots turn last-bit
-gradient differences into visible ones, so the figure of merit is the dp-only run's)."""
+gradient differences into visible ones, so the figure of merit is the dp-only run's). With
+every TP cut uneven (``UnevenMLP``) the parameters are bit-equal to that copy's too."""
 
 from __future__ import annotations
 
@@ -20,26 +21,25 @@ import torch
 import torch.nn.functional as F
 
 from tests.fsdp.models import RunSpec, full, make_optimizer
-from tests.fsdp.tp_models import VOCAB, TPRunSpec, batches, build_model, parallelize
+from tests.fsdp.tp_models import MODELS, VOCAB, TPRunSpec, batches, build_model
 
 STEPS = 3
 
 
-def _train(optimizer: str, tp: bool) -> dict[str, Any]:
+def _train(optimizer: str, tp: bool, model_name: str = "decoder") -> dict[str, Any]:
     import fsdp
     from tests.harness import device_mesh
 
-    spec = TPRunSpec(steps=STEPS)
-    model, shadow = build_model(), build_model()
+    spec = TPRunSpec(steps=STEPS, model=model_name)
+    build, parallelize, shard, vocab = MODELS[model_name]
+    model, shadow = build(), build()
     if tp:
         world = device_mesh(2, 2, names=("dp", "tp"))
         parallelize(model, world["tp"])
         dp_mesh = world["dp"]
     else:
         dp_mesh = device_mesh(4, names=("dp",))
-    for block in model.layers:
-        fsdp.fully_shard(block, mesh=dp_mesh)
-    fsdp.fully_shard(model, mesh=dp_mesh)
+    shard(model, fsdp.fully_shard, dp_mesh)
     per_rank = spec.global_batch // dp_mesh.size()
     rank = dp_mesh.get_local_rank()
     data = batches(spec)[:, rank * per_rank:(rank + 1) * per_rank]
@@ -51,7 +51,7 @@ def _train(optimizer: str, tp: bool) -> dict[str, Any]:
         warnings.simplefilter("always")
         for step in range(STEPS):
             tokens = data[step]
-            loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB),
+            loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, vocab),
                                    tokens[:, 1:].reshape(-1))
             loss.backward()
             for (_, p), (_, q) in zip(named, shadow_named):
@@ -97,3 +97,13 @@ def test_whole_matrix_optimizers_on_tensor_parallel_parameters(ranks, optimizer:
         assert tp["bit_equal_misses"] == [], out
         assert tp["gathered_warnings"] > 0 and dp["gathered_warnings"] == 0, out
         assert tp["error"] <= max(2 * dp["error"], 1e-5), out
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "shampoo"])
+def test_whole_matrix_optimizers_on_uneven_tensor_parallel_parameters(ranks, optimizer: str) -> None:
+    """Every TP cut uneven (:class:`tests.fsdp.tp_models.UnevenMLP`): the gathered matrices
+    are the whole ones and the results are cut back into each rank's own TP-local run, so
+    on identical gradients the parameters equal a one-process optimizer's bit for bit."""
+    for out in ranks.run(4, _train, optimizer, True, "uneven", timeout=300):
+        assert out["bit_equal"] == [], out["bit_equal"]
+        assert out["gathered_warnings"] > 0
