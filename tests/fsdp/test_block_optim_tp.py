@@ -15,10 +15,12 @@ one-process copy of the optimizer with them; after the steps the combined-mesh p
 *bit-equal* to that copy's (Muon with fp32 Newton-Schulz, Shampoo in fp32, AdamW8bit). Training
 then matches one process on the global batch as closely as the same optimizer under fsdp
 without TP (orthogonalization, inverse roots and requantization turn last-bit gradient
-differences into visible ones, so the figure of merit is the dp-only run's)."""
+differences into visible ones, so the figure of merit is the dp-only run's). With every TP cut
+uneven (``UnevenMLP``) Muon's and Shampoo's parameters are bit-equal to that copy's too."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from tests.fsdp.models import RunSpec, full, make_optimizer
-from tests.fsdp.tp_models import VOCAB, TPRunSpec, batches, build_model, parallelize
+from tests.fsdp.tp_models import MODELS, VOCAB, TPRunSpec, batches, build_model, parallelize
 
 MIN_8BIT = 256
 """AdamW8bit's fp32 threshold here: the model's TP-local weights (242 to 550 elements) straddle
@@ -93,11 +95,13 @@ class Setup:
         optimizer: ``"muon"``, ``"shampoo"`` or ``"adamw8bit"``.
         planned: fsdp plans with the optimizer's ``unit_policy`` (else its default rows).
         steps: optimizer steps.
+        model: a key of :data:`tests.fsdp.tp_models.MODELS`.
     """
 
     optimizer: str
     planned: bool = False
     steps: int = 3
+    model: str = "decoder"
 
     def make(self, named: list[tuple[str, nn.Parameter]]) -> Any:
         if self.optimizer == "adamw8bit":
@@ -136,17 +140,16 @@ def _train(setup: Setup, tp: bool) -> dict[str, Any]:
     import fsdp
     from tests.harness import device_mesh
 
-    spec = TPRunSpec(steps=setup.steps)
-    model, shadow = build_model(), build_model()
+    spec = TPRunSpec(steps=setup.steps, model=setup.model)
+    build, tensor_parallel, shard, vocab = MODELS[setup.model]
+    model, shadow = build(), build()
     if tp:
         world = device_mesh(2, 2, names=("dp", "tp"))
-        parallelize(model, world["tp"])
+        tensor_parallel(model, world["tp"])
         dp_mesh = world["dp"]
     else:
         dp_mesh = device_mesh(4, names=("dp",))
-    for block in model.layers:
-        fsdp.fully_shard(block, mesh=dp_mesh, unit_policy=setup.unit_policy())
-    fsdp.fully_shard(model, mesh=dp_mesh, unit_policy=setup.unit_policy())
+    shard(model, functools.partial(fsdp.fully_shard, unit_policy=setup.unit_policy()), dp_mesh)
     per_rank = spec.global_batch // dp_mesh.size()
     rank = dp_mesh.get_local_rank()
     data = batches(spec)[:, rank * per_rank:(rank + 1) * per_rank]
@@ -158,7 +161,7 @@ def _train(setup: Setup, tp: bool) -> dict[str, Any]:
         warnings.simplefilter("always")
         for step in range(setup.steps):
             tokens = data[step]
-            loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB),
+            loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, vocab),
                                    tokens[:, 1:].reshape(-1))
             loss.backward()
             for (_, p), (_, q) in zip(named, shadow_named):
@@ -276,3 +279,39 @@ def test_adamw8bit_on_tensor_parallel_parameters(ranks, planned: bool) -> None:
     for out in outs:
         assert out["tp"]["gathered_warnings"] == 0, out
         assert (out["tp"]["realigned_warnings"] == 0) == planned, out
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "shampoo"])
+def test_whole_matrix_optimizers_on_uneven_tensor_parallel_parameters(ranks, optimizer: str) -> None:
+    """Every TP cut uneven (:class:`tests.fsdp.tp_models.UnevenMLP`): the gathered matrices
+    are the whole ones and the results are cut back into each rank's own TP-local run, so
+    on identical gradients the parameters equal a one-process optimizer's bit for bit."""
+    for out in ranks.run(4, _train, Setup(optimizer, model="uneven"), True, timeout=300):
+        assert out["bit_equal"] == [], out["bit_equal"]
+        assert out["gathered_warnings"] > 0
+
+
+def _adamw8bit_on_uneven() -> str:
+    import fsdp
+    from block_optim import AdamW8bit
+
+    from tests.harness import device_mesh
+
+    build, tensor_parallel, shard, vocab = MODELS["uneven"]
+    model = build()
+    world = device_mesh(2, 2, names=("dp", "tp"))
+    tensor_parallel(model, world["tp"])
+    shard(model, fsdp.fully_shard, world["dp"])
+    tokens = batches(TPRunSpec(steps=1, model="uneven"))[0, :2]
+    F.cross_entropy(model(tokens[:, :-1]).reshape(-1, vocab), tokens[:, 1:].reshape(-1)).backward()
+    optimizer = AdamW8bit(list(model.named_parameters()), min_8bit_numel=1)
+    with pytest.raises(NotImplementedError, match="uneven cut") as caught:
+        optimizer.step()
+    return str(caught.value)
+
+
+def test_adamw8bit_refuses_uneven_tensor_parallel_cuts_on_every_rank(ranks) -> None:
+    """Uneven TP ranks would quantize TP-local tensors of different sizes (no global state
+    layout): AdamW8bit raises on every rank, naming the parameter, before any collective."""
+    messages = ranks.run(4, _adamw8bit_on_uneven, timeout=300)
+    assert len(set(messages)) == 1 and "parameter '" in messages[0], messages

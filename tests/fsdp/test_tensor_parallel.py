@@ -85,28 +85,6 @@ def test_sharded_parameters_are_combined_mesh_dtensors(ranks) -> None:
     assert {results[r]["0.weight"]["local_numel"] for r in range(4)} == {24, 18}
 
 
-def _uneven_case() -> str:
-    import torch
-    from torch import nn
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    import fsdp
-    from tests.harness import device_mesh
-
-    world = device_mesh(2, 2, names=("dp", "tp"))
-    model = nn.Linear(6, 13, bias=False)
-    parallelize_module(model, world["tp"], ColwiseParallel())
-    with pytest.raises(NotImplementedError, match="divisible") as caught:
-        fsdp.fully_shard(model, mesh=world["dp"])
-    del torch
-    return str(caught.value)
-
-
-def test_uneven_tensor_parallel_raises_on_every_rank(ranks) -> None:
-    messages = ranks.run(4, _uneven_case, timeout=TIMEOUT_S)
-    assert all("13" in m for m in messages), messages
-
-
 def _other_world_case() -> str:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh

@@ -8,6 +8,12 @@ output projections ``RowwiseParallel`` back to sequence-sharded, head ``ColwiseP
 replicated logits. :func:`train` runs the same code for all three: ``impl=None`` on one
 process and the whole batch; ``"torch"``/``"fsdp"`` on a ``(dp, tp)`` mesh, each dp rank its
 slice of the batch (the tp ranks of one dp rank share it).
+
+:class:`UnevenMLP` (``TPRunSpec(model="uneven")``) cuts unevenly on 2 TP ranks everywhere: an
+embedding and head of vocab 25 (13 + 12 rows), a ColwiseParallel ``Linear(6, 13)`` (7 + 6 rows)
+and its RowwiseParallel ``Linear(13, 6)`` (7 + 6 columns), and a ``Linear(6, 3)`` pair whose
+TP-local tensors are 2 rows and 1 row (the 1-row one sharded alone over 2 dp ranks leaves a dp
+rank no units).
 """
 
 from __future__ import annotations
@@ -124,6 +130,71 @@ def parallelize(model: Decoder, tp_mesh: Any) -> None:
         })
 
 
+UNEVEN_VOCAB, UNEVEN_HIDDEN, UNEVEN_FFN, UNEVEN_NARROW = 25, 6, 13, 3
+
+
+class UnevenMLP(nn.Module):
+    """Residual MLPs whose every TP cut is uneven on 2 TP ranks (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(UNEVEN_VOCAB, UNEVEN_HIDDEN)
+        self.up = nn.Linear(UNEVEN_HIDDEN, UNEVEN_FFN)
+        self.down = nn.Linear(UNEVEN_FFN, UNEVEN_HIDDEN)
+        self.narrow = nn.Linear(UNEVEN_HIDDEN, UNEVEN_NARROW)
+        self.widen = nn.Linear(UNEVEN_NARROW, UNEVEN_HIDDEN)
+        self.head = nn.Linear(UNEVEN_HIDDEN, UNEVEN_VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        x = x + self.down(F.gelu(self.up(x)))
+        x = x + self.widen(torch.tanh(self.narrow(x)))
+        return self.head(x)
+
+
+def build_uneven() -> UnevenMLP:
+    """The same initial weights in every run."""
+    torch.manual_seed(SEED)
+    return UnevenMLP()
+
+
+def parallelize_uneven(model: UnevenMLP, tp_mesh: Any) -> None:
+    """Megatron's pairs: Colwise then Rowwise; the embedding Rowwise over its vocab rows and
+    the head Colwise to replicated logits. A Colwise output stays a DTensor
+    (``use_local_output=False``, as in torch's own uneven-TP test model): a local output of
+    uneven width would lose its global shape."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(model, tp_mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate()),
+        "up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel(),
+        "narrow": ColwiseParallel(use_local_output=False), "widen": RowwiseParallel(),
+        "head": ColwiseParallel(output_layouts=Replicate()),
+    })
+
+
+def shard_uneven(model: UnevenMLP, fully_shard: Any, mesh: Any) -> None:
+    """``up``, ``down`` and ``narrow`` each in a group of its own (so ``narrow``'s 1-row
+    TP-local weight is cut over the dp ranks alone), then the root."""
+    for layer in (model.up, model.down, model.narrow):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _shard_decoder(model: Decoder, fully_shard: Any, mesh: Any) -> None:
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+#: ``TPRunSpec.model``: (build, parallelize, shard, vocab)
+MODELS = {
+    "decoder": (build_model, parallelize, _shard_decoder, VOCAB),
+    "uneven": (build_uneven, parallelize_uneven, shard_uneven, UNEVEN_VOCAB),
+}
+
+
 @dataclass(frozen=True)
 class TPRunSpec:
     """One training run: ``steps`` AdamW steps with ``clip_grad_norm_(max_norm=clip)``."""
@@ -135,12 +206,14 @@ class TPRunSpec:
     replicate: int = 1  # > 1: HSDP + TP, fsdp over (dp_replicate, dp_shard)
     lr: float = 1e-2
     clip: float = 0.5
+    model: str = "decoder"  # a key of MODELS
 
 
 def batches(spec: TPRunSpec) -> torch.Tensor:
     """``(steps, global_batch, SEQ + 1)`` tokens, the same in every run."""
     generator = torch.Generator().manual_seed(1234)
-    return torch.randint(0, VOCAB, (spec.steps, spec.global_batch, SEQ + 1), generator=generator)
+    vocab = MODELS[spec.model][3]
+    return torch.randint(0, vocab, (spec.steps, spec.global_batch, SEQ + 1), generator=generator)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -152,7 +225,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def train(spec: TPRunSpec, impl: str | None) -> dict[str, Any]:
     """Train and report losses (the global-batch mean), clip norms and full parameters."""
-    model = build_model()
+    build, parallelize_model, shard, vocab = MODELS[spec.model]
+    model = build()
     data = batches(spec)
     if impl is not None:
         from tests.harness import device_mesh
@@ -167,10 +241,8 @@ def train(spec: TPRunSpec, impl: str | None) -> dict[str, Any]:
         dp_mesh = world[dp_dims]
         fully_shard = importlib.import_module(
             "torch.distributed.fsdp" if impl == "torch" else "fsdp").fully_shard
-        parallelize(model, world["tp"])
-        for block in model.layers:
-            fully_shard(block, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+        parallelize_model(model, world["tp"])
+        shard(model, fully_shard, dp_mesh)
         per_rank = spec.global_batch // (spec.dp * spec.replicate)
         dp_rank = 0
         for dim in dp_dims:  # row-major over the data-parallel dims
@@ -181,7 +253,7 @@ def train(spec: TPRunSpec, impl: str | None) -> dict[str, Any]:
     for step in range(spec.steps):
         tokens = data[step]
         logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip)
         optimizer.step()

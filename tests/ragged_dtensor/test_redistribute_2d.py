@@ -64,16 +64,16 @@ def hsdp_case(shape: tuple[int, ...], units: tuple[int, ...], other: tuple[int, 
     # (Partial, Partial) -> (Replicate, RaggedShard)
     pending = DTensor.from_local(parts[rank], mesh, (Partial(), Partial()), run_check=False)
     check(pending.redistribute(mesh, hsdp), hsdp, sum(parts))
-    if shape[0] % 2 == 0:
-        # beside a Shard, RaggedShard cuts the Shard-local tensor (ragged_dtensor.composed)
-        tp_local = full.chunk(2)[row]
-        start, end = ragged.flat_range(tuple(tp_local.shape), col)
-        composed = dt.redistribute(mesh, (Shard(0), ragged))
-        assert torch.equal(composed.to_local(), tp_local.reshape(-1)[start:end])
-        assert torch.equal(composed.full_tensor(), full)
-    else:
-        with pytest.raises(NotImplementedError, match="not divisible"):
-            dt.redistribute(mesh, (Shard(0), ragged))
+    # beside a Shard, RaggedShard cuts the Shard-local tensor (ragged_dtensor.composed); an
+    # odd dim 0 is cut as torch.chunk cuts it, and each row of the mesh (a TP coordinate) has
+    # its own RaggedShard over its own TP-local rows
+    tp_local = full.chunk(2)[row]
+    beside = ragged if shape[0] % 2 == 0 else RaggedShard((0,), (1, tp_local.shape[0] - 1))
+    start, end = beside.flat_range(tuple(tp_local.shape), col)
+    composed = dt.redistribute(mesh, (Shard(0), beside))
+    assert torch.equal(composed.to_local(), tp_local.reshape(-1)[start:end])
+    assert torch.equal(composed.full_tensor(), full)
+    assert torch.equal(composed.redistribute(mesh, hsdp).to_local(), dt.to_local())
     with pytest.raises(NotImplementedError, match="only one mesh dimension"):
         dt.redistribute(mesh, (ragged, ragged))
 

@@ -43,7 +43,7 @@ from ragged_dtensor import (
     raise_on_any_rank,
     redistribute_many,
 )
-from ragged_dtensor.composed import ragged_shape
+from ragged_dtensor.composed import is_composed, is_uneven, ragged_shape
 
 from block_optim.adamw8bit_kernels import adamw8bit_step_
 from block_optim.adamw8bit_math import AdamWScalars, QuantizedMoments, adamw_fp32_step_
@@ -204,6 +204,15 @@ class AdamW8bit(torch.optim.Optimizer):
         cached = self._layouts.get(param)
         if cached is not None:
             return cached
+        if (isinstance(param, DTensor) and is_composed(param.placements)
+                and is_uneven(param.device_mesh, param.placements, param.shape)):
+            # Uneven TP ranks hold TP-local tensors of different sizes: their fp32 threshold,
+            # blocks and state sizes would differ, and no global layout describes the state.
+            raise NotImplementedError(
+                f"AdamW8bit: parameter '{name}' is tensor-parallel with an uneven cut "
+                f"({tuple(param.placements)} of shape {tuple(param.shape)}): its TP ranks hold "
+                "TP-local tensors of different sizes; use an even TP cut, or torch.optim.AdamW, "
+                "Muon or Shampoo for it")
         piece = tp_local_cuts(param) if isinstance(param, DTensor) else None
         numel = piece.numel if piece is not None else param.numel()   # TP-local under TP
         quantized = numel >= self.min_8bit_numel

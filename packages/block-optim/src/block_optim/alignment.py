@@ -115,9 +115,9 @@ def tp_local_cuts(dtensor: DTensor) -> FlatCuts | None:
     For a ``RaggedShard`` beside tensor-parallel ``Shard``/``Replicate`` placements (fsdp over
     TP) these are the RaggedShard's cuts of the TP-local tensor (``shape`` the TP-local shape,
     from :func:`ragged_dtensor.composed.ragged_shape`): the TP ``Shard`` dims hand each TP rank
-    a tensor of its own and cut nothing inside it. Every TP rank has the same TP-local shape
-    (only even TP cuts compose), so the cuts are global facts. Any other layout:
-    :func:`flat_cuts`.
+    a tensor of its own and cut nothing inside it. With even TP cuts every TP rank has the
+    same TP-local shape, so the cuts are global facts (uneven cuts give each TP coordinate its
+    own; :class:`~block_optim.AdamW8bit` refuses them). Any other layout: :func:`flat_cuts`.
 
     Args:
         dtensor: a DTensor on any mesh.

@@ -98,7 +98,7 @@ def fully_shard(
             container without ``forward``, or an int ``reshard_after_forward`` that does not
             divide the shard dimension (the same facts on every rank, so every rank raises).
         NotImplementedError: for tensor-parallel (DTensor) parameters whose placements fsdp
-            cannot compose with (uneven ``Shard(d)``, ``Partial``; see
+            cannot compose with (a ``Shard(d)`` leaving a TP rank empty, ``Partial``; see
             :mod:`fsdp.tensor_parallel`), or CPU offload of a mesh that is not on CPU.
         TypeError: for a ``module``, ``mesh``, ``mp_policy`` or ``unit_policy`` of the
             wrong type, naming it.
@@ -146,8 +146,10 @@ def fully_shard(
     try:
         collected = collect_params(managed_modules(modules, lambda m: get_state(m) is not None),
                                    set(ignored_params or ()))
-        units = resolve_units(collected, unit_policy, shard_placement_fn)
+        # TP layouts first: their checks read global facts (an uneven TP cut that leaves a
+        # TP rank nothing raises everywhere, not only where a unit policy would divide by 0)
         layouts = plan_layouts([(c.name, c.param) for c in collected], mesh)
+        units = resolve_units(collected, unit_policy, shard_placement_fn)
         units, quantized = quantized_units(quantize_all_gather, collected, units)
         refuse_tensor_parallel(quantized, layouts)
     except (ValueError, NotImplementedError, TypeError) as caught:

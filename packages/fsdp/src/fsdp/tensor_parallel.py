@@ -18,8 +18,16 @@ TP left on this rank) in its DBuffers and runs its collectives on the data-paral
   (``Partial``) gradient of a TP-replicated parameter into the parameter's placement (one
   all-reduce over TP, as in FSDP2), and the buffer is reduce-scattered over dp only.
 
-Supported TP placements are ``Shard(d)`` with ``d`` divisible by the TP size, and
-``Replicate()``; anything else raises ``NotImplementedError`` naming the parameter.
+Supported TP placements are ``Shard(d)`` and ``Replicate()``; anything else raises
+``NotImplementedError`` naming the parameter. A ``Shard(d)`` need not divide evenly (a hidden
+size of 201 on 2 TP ranks): TP cuts it as torch does (``torch.chunk``: 101 and 100 rows), so
+the TP-local shape depends on the TP coordinate, and each data-parallel group (the ranks that
+share a TP coordinate) plans its own buffers over its own TP-local shapes. That is consistent
+inside each data-parallel group, which is all fsdp's collectives span; the sharded parameters'
+``RaggedShard`` placements then differ between TP coordinates (see
+:mod:`ragged_dtensor.composed`). A cut that leaves some TP coordinate no elements at all (a
+dim shorter than the TP size asks for) raises ``NotImplementedError`` naming the parameter, on
+every rank alike.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from dbuffer import DBuffer
-from ragged_dtensor.composed import ragged_shape
+from ragged_dtensor.composed import ragged_shape, smallest_tp_numel
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -102,7 +110,9 @@ def plan_layout(name: str, param: DTensor, dp_mesh: DeviceMesh) -> TPLayout:
 
     Raises:
         ValueError: when the meshes do not belong to one world or share a dim.
-        NotImplementedError: for TP placements other than even ``Shard(d)`` and ``Replicate``.
+        NotImplementedError: for TP placements other than ``Shard(d)`` and ``Replicate``, or
+            an uneven ``Shard(d)`` that leaves some TP rank no elements (global facts: raised
+            on every rank alike).
     """
     tp_mesh = param.device_mesh
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
@@ -127,6 +137,12 @@ def plan_layout(name: str, param: DTensor, dp_mesh: DeviceMesh) -> TPLayout:
             raise NotImplementedError(
                 f"fully_shard: parameter {name!r} has placements {param.placements}; fsdp "
                 "composes with Shard(d) and Replicate() tensor-parallel placements only")
+    if smallest_tp_numel(tp_mesh, param.placements, tuple(param.shape)) == 0:
+        raise NotImplementedError(
+            f"fully_shard: parameter {name!r} of shape {tuple(param.shape)} placed "
+            f"{param.placements} on {tp_mesh.size()} tensor-parallel ranks leaves some TP rank "
+            "no elements; fsdp needs every TP-local tensor non-empty (use fewer TP ranks for "
+            "it, or keep it Replicate)")
     local_shape = ragged_shape(tp_mesh, param.placements, tuple(param.shape))
     if tuple(param._local_tensor.shape) != local_shape:
         raise ValueError(f"fully_shard: parameter {name!r} has a local tensor of shape "

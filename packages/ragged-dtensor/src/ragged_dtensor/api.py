@@ -53,7 +53,9 @@ def distribute_tensor(
 
     Raises:
         ValueError: if a RaggedShard does not fit the shape or its mesh dimension (raised on
-            every rank alike, since every rank checks the same global facts).
+            every rank alike, since every rank checks the same global facts; beside an
+            uneven tensor-parallel ``Shard`` a rank checks its RaggedShard against its own
+            TP-local shape, :mod:`ragged_dtensor.composed`).
     """
     torch_distribute_tensor = torch_original(_TORCH_DISTRIBUTE_TENSOR)
     if placements is None or find_ragged(placements) is None or isinstance(tensor, DTensor):
@@ -69,9 +71,10 @@ def distribute_tensor(
         raise ValueError(
             f"distribute_tensor: {len(placements)} placements for a {device_mesh.ndim}-D mesh"
         )
+    inner = composed.ragged_shape(device_mesh, placements, tuple(tensor.shape))
     for dim, placement in enumerate(placements):
         if isinstance(placement, RaggedShard):
-            placement.check(tuple(tensor.shape), device_mesh.size(dim))
+            placement.check(inner, device_mesh.size(dim))
     stand_in = [Replicate() if isinstance(p, RaggedShard) else p for p in placements]
     replicated = torch_distribute_tensor(tensor, device_mesh, stand_in, src_data_rank=src_data_rank)
     target = DTensorSpec(

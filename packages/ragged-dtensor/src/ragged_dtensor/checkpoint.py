@@ -14,8 +14,9 @@ DTensor loads from checkpoints written by any other layout.
 On an HSDP mesh ``(Replicate(), RaggedShard(...))`` the replicas write identical items and
 DCP's planner keeps one copy of each. Beside tensor-parallel ``Shard`` placements
 (:mod:`ragged_dtensor.composed`) the run is one of the TP-local tensor: its boxes are cut in
-that shape and moved to where the TP-local tensor lies in the global one, so a checkpoint
-saved at one (dp, tp) layout loads at any other.
+that shape and moved to where this rank's TP-local tensor lies in the global one (its TP
+origin: with an uneven TP cut, ``torch.chunk``'s), so a checkpoint saved at one (dp, tp)
+layout loads at any other.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate
 
-from ragged_dtensor.composed import is_tp_shard, ragged_shape, tp_origin
+from ragged_dtensor.composed import is_tp_shard, tp_box
 from ragged_dtensor.flat_boxes import Box, box_first_index, box_strides, flat_range_boxes
 from ragged_dtensor.placement import RaggedShard, find_ragged
 
@@ -98,9 +99,8 @@ def local_boxes(dtensor: DTensor) -> LocalBoxes:
     assert found is not None
     mesh_dim, placement = found
     mesh, placements, shape = dtensor.device_mesh, dtensor.placements, tuple(dtensor.shape)
-    inner = ragged_shape(mesh, placements, shape)
     coordinate = [mesh.get_local_rank(dim) for dim in range(mesh.ndim)]
-    origin = tp_origin(mesh, placements, shape, coordinate)
+    origin, inner = tp_box(mesh, placements, shape, coordinate)
     start, end = placement.flat_range(inner, coordinate[mesh_dim])
     return LocalBoxes(_cached_boxes(inner, start, end), inner, origin, start)
 

@@ -16,13 +16,21 @@ first; the order recorded by this convention is the one FSDP2 records with
 (redistribution, propagation, reductions, ``from_local``'s check) reads it on the TP-local
 shape :func:`ragged_shape` gives.
 
-Only even TP cuts are supported (every TP rank then has the same TP-local shape, so one
-``RaggedShard`` describes every rank's run); an uneven one raises ``NotImplementedError``
-naming the dim, on every rank alike (the check reads global facts only).
+**Uneven TP cuts.** A ``Shard(d)`` whose dim does not divide by its mesh dim's size cuts as
+torch cuts it (``torch.chunk``: the first coordinates get ``ceil(n / size)``, later ones fewer,
+possibly none), so the TP-local shape and origin depend on the rank's TP coordinate
+(:func:`tp_box`). Each rank's ``RaggedShard`` then describes the runs of *its* data-parallel
+group (the ranks sharing its TP coordinate, which hold TP-local tensors of one shape): placements
+of ranks at different TP coordinates may differ, and every path here reads only its own
+(ragged runs move inside a data-parallel group; the TP dims move with torch's own uneven
+``Shard`` handling). A path that needs another coordinate's run (a full state dict scattered
+from rank 0) asks that rank (:func:`is_uneven` says when, from global facts).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -57,65 +65,102 @@ def refuse(placements: Sequence[Placement], what: str) -> None:
             f"({tuple(placements)}) are not supported")
 
 
-def ragged_shape(mesh: DeviceMesh, placements: Sequence[Placement],
-                 shape: Sequence[int]) -> tuple[int, ...]:
-    """The shape a RaggedShard in ``placements`` cuts: ``shape`` after the even ``Shard`` cuts
-    of the other mesh dims (``shape`` itself when there are none).
+def tp_box(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int],
+           coordinate: Sequence[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where the TP-local tensor of the rank at mesh ``coordinate`` lies in the global tensor:
+    the ``Shard`` cuts of the mesh dims other than the RaggedShard's, nested outer mesh dims
+    first and each cut ``torch.chunk``-style, as DTensor cuts them (so uneven cuts give
+    coordinates different boxes, and a late coordinate may get an empty one).
 
     Args:
         mesh: the DTensor's mesh.
         placements: its placements, one per mesh dim.
         shape: its global shape.
+        coordinate: a rank's index along every mesh dim; ``None``: this rank's.
+
+    Returns:
+        ``(origin, local_shape)``: the box's global offsets and its shape (``shape`` itself and
+        zeros when there are no ``Shard`` placements).
+
+    Raises:
+        NotImplementedError: for a ``_StridedShard`` beside the RaggedShard.
+        ValueError: when ``coordinate`` is ``None`` and this rank is not in ``mesh``.
+    """
+    if coordinate is None:
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError(f"the TP-local shape of a DTensor on {mesh} on a rank outside it "
+                             "needs the coordinate it is asked for")
+    origin, local = [0] * len(shape), list(shape)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            raise NotImplementedError(
+                f"{p!r} beside a RaggedShard (placements {tuple(placements)}) is not supported")
+        if is_tp_shard(p):
+            size, offset = Shard.local_shard_size_and_offset(
+                local[p.dim], mesh.size(mesh_dim), coordinate[mesh_dim])
+            local[p.dim] = size
+            origin[p.dim] += offset
+    return tuple(origin), tuple(local)
+
+
+def ragged_shape(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int],
+                 coordinate: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The shape a RaggedShard in ``placements`` cuts on the rank at ``coordinate``: ``shape``
+    after the (possibly uneven) ``Shard`` cuts of the other mesh dims, ``shape`` itself when
+    there are none (see :func:`tp_box`).
+
+    Args:
+        mesh: the DTensor's mesh.
+        placements: its placements, one per mesh dim.
+        shape: its global shape.
+        coordinate: a rank's index along every mesh dim; ``None``: this rank's.
 
     Returns:
         The TP-local shape.
 
     Raises:
-        NotImplementedError: for a ``Shard`` dim not divisible by its mesh dim's size, or a
-            ``_StridedShard`` beside the RaggedShard.
+        NotImplementedError: for a ``_StridedShard`` beside the RaggedShard.
     """
-    local = list(shape)
-    for mesh_dim, p in enumerate(placements):
-        if isinstance(p, _StridedShard):
-            raise NotImplementedError(
-                f"{p!r} beside a RaggedShard (placements {tuple(placements)}) is not supported")
-        if not is_tp_shard(p):
-            continue
-        size = mesh.size(mesh_dim)
-        if local[p.dim] % size:
-            raise NotImplementedError(
-                f"RaggedShard beside an uneven {p!r}: dim {p.dim} of shape {tuple(shape)} has "
-                f"{local[p.dim]} elements, not divisible by the {size} ranks of mesh dim "
-                f"{mesh_dim}; only even tensor-parallel cuts compose with RaggedShard")
-        local[p.dim] //= size
-    return tuple(local)
+    return tp_box(mesh, placements, shape, coordinate)[1]
 
 
-def tp_origin(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int],
-              coordinate: Sequence[int]) -> tuple[int, ...]:
-    """Where the TP-local tensor of the rank at mesh ``coordinate`` starts in the global
-    tensor (zeros without ``Shard`` placements): the ``Shard`` cuts nest outer mesh dims
-    first, as DTensor nests them. Its shape is :func:`ragged_shape`.
+def is_uneven(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]) -> bool:
+    """Whether the ``Shard`` cuts beside a RaggedShard give ranks TP-local tensors of
+    different shapes (then their RaggedShards may differ too). A global fact: every rank
+    answers alike.
 
     Args:
         mesh: the DTensor's mesh.
         placements: its placements, one per mesh dim.
         shape: its global shape.
-        coordinate: the rank's index along every mesh dim.
-
-    Returns:
-        The global offsets of the TP-local tensor.
     """
-    origin, local = [0] * len(shape), list(shape)
+    local = list(shape)
     for mesh_dim, p in enumerate(placements):
         if is_tp_shard(p):
+            if local[p.dim] % mesh.size(mesh_dim):
+                return True
             local[p.dim] //= mesh.size(mesh_dim)
-            origin[p.dim] += coordinate[mesh_dim] * local[p.dim]
-    return tuple(origin)
+    return False
+
+
+def smallest_tp_numel(mesh: DeviceMesh, placements: Sequence[Placement],
+                      shape: Sequence[int]) -> int:
+    """The fewest elements any rank's TP-local tensor holds (0 when an uneven cut leaves a
+    coordinate nothing). A global fact: every rank answers alike.
+
+    Args:
+        mesh: the DTensor's mesh.
+        placements: its placements, one per mesh dim.
+        shape: its global shape.
+    """
+    axes = [range(mesh.size(d)) if is_tp_shard(p) else range(1) for d, p in enumerate(placements)]
+    return min(math.prod(ragged_shape(mesh, placements, shape, coordinate))
+               for coordinate in itertools.product(*axes))
 
 
 def spec_ragged_shape(spec: DTensorSpec) -> tuple[int, ...]:
-    """:func:`ragged_shape` of a spec."""
+    """:func:`ragged_shape` of a spec on this rank."""
     return ragged_shape(spec.mesh, spec.placements, tuple(spec.shape))
 
 

@@ -58,7 +58,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from ragged_dtensor.api import distribute_tensor as ragged_distribute_tensor
 from ragged_dtensor.api import from_local_run
-from ragged_dtensor.composed import is_tp_shard, ragged_shape, tp_origin
+from ragged_dtensor.composed import is_tp_shard, is_uneven, tp_box
 from ragged_dtensor.consensus import _flag_device, raise_on_any_rank
 from ragged_dtensor.peer_failure import collective_guard
 from ragged_dtensor.placement import RaggedShard, find_ragged, is_ragged
@@ -85,12 +85,14 @@ def _group_runs(key: str, dtensor: DTensor, group: dist.ProcessGroup) -> list[_R
     """The run each rank of ``group`` owns, in group-rank order (empty for a rank outside
     the DTensor's mesh). Beside tensor-parallel ``Shard`` placements a rank's run is a flat
     range of its TP-local tensor (:mod:`ragged_dtensor.composed`), so the run also records
-    that tensor's box in the global one.
+    that tensor's box in the global one. Where an uneven TP cut gives ranks at different TP
+    coordinates different TP-local shapes, each rank's RaggedShard describes only its own
+    data-parallel group, so the runs are gathered from their owners (one small all-gather on
+    ``group``; every rank takes that branch alike, from global facts).
 
     Raises:
         ValueError: if a mesh dim other than the ragged one is neither ``Replicate`` nor a
-            tensor-parallel ``Shard`` (raised on every rank alike: placements are the same
-            everywhere).
+            tensor-parallel ``Shard`` (raised on every rank alike: that is a global fact).
     """
     found = find_ragged(dtensor.placements)
     assert found is not None
@@ -103,23 +105,25 @@ def _group_runs(key: str, dtensor: DTensor, group: dist.ProcessGroup) -> list[_R
         )
     mesh = dtensor.device_mesh
     shape = tuple(dtensor.shape)
-    inner = ragged_shape(mesh, placements, shape)
     ranks = mesh.mesh.reshape(-1).tolist()
     index = torch.unravel_index(torch.arange(len(ranks)), tuple(mesh.mesh.shape))
     coordinates = {rank: tuple(int(i[n]) for i in index) for n, rank in enumerate(ranks)}
-    runs = []
-    for rank in dist.get_process_group_ranks(group):
-        if rank not in coordinates:
-            runs.append(_Run(0, 0, None))
-            continue
-        coordinate = coordinates[rank]
+
+    def run_of(coordinate: tuple[int, ...]) -> _Run:
+        origin, inner = tp_box(mesh, placements, shape, coordinate)
         start, end = placement.flat_range(inner, coordinate[mesh_dim])
-        box = None
-        if inner != shape:
-            origin = tp_origin(mesh, placements, shape, coordinate)
-            box = tuple(slice(o, o + n) for o, n in zip(origin, inner))
-        runs.append(_Run(start, end, box))
-    return runs
+        box = None if inner == shape else tuple(slice(o, o + n) for o, n in zip(origin, inner))
+        return _Run(start, end, box)
+
+    members = dist.get_process_group_ranks(group)
+    if is_uneven(mesh, placements, shape):
+        mine = coordinates.get(dist.get_rank())
+        runs: list[_Run | None] = [None] * len(members)
+        with collective_guard("all_gather_object (full state dict: ragged runs)", group):
+            dist.all_gather_object(runs, None if mine is None else run_of(mine), group=group)
+        return [_Run(0, 0, None) if run is None else run for run in runs]
+    return [run_of(coordinates[rank]) if rank in coordinates else _Run(0, 0, None)
+            for rank in members]
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,10 @@ Any other aliasing op (``t``, ``transpose``, ``select``, ``slice``, indexing vie
 not this rank's run. DTensor's only general answer is to gather a copy, on which in-place
 writes are silently lost, so :func:`alias_error` refuses them with a message naming the op.
 The check uses only global metadata, so every rank raises alike and none is left waiting.
+
+Beside tensor-parallel ``Shard`` placements (:mod:`ragged_dtensor.composed`) the run is one of
+the TP-local tensor, which a new global shape would cut elsewhere: a reshape to the same
+shape is an alias, any other raises ``NotImplementedError`` on every rank.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ragged_dtensor import composed
 from ragged_dtensor.op_routing import Route, add_routes, ragged_at
 from ragged_dtensor.placement import RaggedShard, find_ragged
 from ragged_dtensor.reductions import dispatch_default
@@ -72,6 +77,10 @@ def reshape_handler(
     new_shape = torch.empty(x.shape, device="meta").view(size).shape  # type: ignore[arg-type]
     if len(new_shape) == 0:
         raise alias_error(op_call, x.placements)
+    if composed.is_composed(x.placements):  # a new shape would move the TP cut: no alias
+        if tuple(new_shape) == tuple(x.shape):
+            return aten.alias.default(x)
+        composed.refuse(x.placements, f"reshapes ({op_call})")
     counts = [placement.local_numel(x.shape, r) for r in range(placement.num_ranks)]
     placements = list(spec.placements)
     placements[mesh_dim] = RaggedShard.from_element_counts(new_shape, counts)
