@@ -22,7 +22,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 
 import fsdp
 
@@ -75,7 +81,6 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """torchtitan's Llama TP plan: the embedding's output and the norms sequence-parallel,
     attention q/k/v and SwiGLU gate/up column-wise, their output projections row-wise back to
     sequence-sharded activations, the LM head column-wise to replicated logits."""
-    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,

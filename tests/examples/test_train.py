@@ -158,7 +158,7 @@ def _expert_layout(config: TrainConfig) -> dict[str, object]:
     world, names = dist.get_world_size(), ("w1", "w3", "w2")
     shape = ModelConfig(dim=config.dim, n_layers=config.n_layers, n_heads=config.n_heads,
                         ffn_dim=config.ffn_dim, max_seq_len=config.seq_len,
-                        n_experts=config.moe_experts)
+                        n_experts=config.moe_experts, top_k=config.moe_top_k)
     tokens = torch.randint(0, 256, (2, config.seq_len),
                            generator=torch.Generator().manual_seed(dist.get_rank()))
     torch.manual_seed(0)
@@ -190,12 +190,12 @@ def _expert_layout(config: TrainConfig) -> dict[str, object]:
 
 
 def test_expert_parallel_shards_whole_experts(ranks, tmp_path: Path) -> None:
-    """``--moe-experts 4 --ep 2`` on 4 ranks (mesh ``(dp 2, ep 2)``): every expert stack is
-    ``Shard(0)`` over ``ep``, each EP rank holds its 2 whole experts, cut over its 2 dp ranks
-    at expert boundaries; the experts' gradients equal those of the same model without EP
-    (every rank's tokens reach their expert; averaged over all 4 ranks, not the 2 dp ranks:
-    measured 1.3e-7 of the largest gradient, a divisor of 2 would be off by 100%)."""
-    config = tiny(tmp_path, moe_experts=4)
+    """``--moe-experts 4 --moe-top-k 2 --ep 2`` on 4 ranks (mesh ``(dp 2, ep 2)``): every
+    expert stack is ``Shard(0)`` over ``ep``, each EP rank holds its 2 whole experts, cut over
+    its 2 dp ranks at expert boundaries; the experts' gradients equal those of the same model
+    without EP (every rank's tokens reach their expert; averaged over all 4 ranks, not the 2
+    dp ranks: measured 1.3e-7 of the largest gradient, a divisor of 2 would be off by 100%)."""
+    config = tiny(tmp_path, moe_experts=4, moe_top_k=2)
     outs = ranks.run(4, _expert_layout, config, timeout=TIMEOUT_S)
     expert = config.ffn_dim * config.dim
     for out in outs:
@@ -229,6 +229,36 @@ def test_expert_parallel_trains_like_experts_on_every_rank(ranks, tmp_path: Path
         for (step, a), (step_ep, b) in zip(plain["history"][key], ep[0]["history"][key]):
             assert step == step_ep and abs(a - b) <= bound, (key, step, a, b)
     assert len(ep[0]["sample"]) > 0
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_layer_matches_a_loop_over_tokens(top_k: int) -> None:
+    """The MoE layer (sorted dispatch, grouped experts, weighted combine) against each token
+    sent through its top-k experts one at a time, outputs and router gradients."""
+    import torch
+    import torch.nn.functional as F
+
+    from examples.train.moe import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(dim=8, ffn_dim=12, num_experts=4, top_k=top_k)
+    for stack in (moe.experts.w1, moe.experts.w3, moe.experts.w2):
+        torch.nn.init.normal_(stack, std=0.3)
+    x = torch.randn(2, 5, 8)
+    probs = moe.router(x).softmax(-1)
+    expected = torch.zeros_like(x)
+    for b in range(2):
+        for t in range(5):
+            gates, chosen = probs[b, t].topk(top_k)
+            for gate, e in zip(gates, chosen.tolist()):
+                w1, w3, w2 = (getattr(moe.experts, n)[e] for n in ("w1", "w3", "w2"))
+                h = F.silu(w1 @ x[b, t]) * (w3 @ x[b, t])
+                expected[b, t] += gate * (w2 @ h)
+    got = moe(x)
+    assert torch.allclose(got, expected, atol=1e-6), (got - expected).abs().max()
+    (grad,) = torch.autograd.grad(got.square().sum(), moe.router.weight)
+    (want,) = torch.autograd.grad(expected.square().sum(), moe.router.weight)
+    assert grad.abs().max() > 0 and torch.allclose(grad, want, atol=1e-6)
 
 
 def test_expert_parallel_options_are_checked() -> None:
