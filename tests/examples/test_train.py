@@ -60,10 +60,12 @@ def test_bf16_runs_two_steps(ranks, tmp_path: Path) -> None:
     assert len(losses) == 2 and all(4.0 < loss < 7.0 for loss in losses), losses
 
 
-def test_fp8_all_gather_runs_two_steps(ranks, tmp_path: Path) -> None:
+@pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe"])
+def test_fp8_all_gather_runs_two_steps(ranks, tmp_path: Path, experts: int) -> None:
     config = parse_args(["--fp8", "--mixed-precision", "bf16", "--steps", "2"])
     assert config.fp8
-    config = tiny(tmp_path, mixed_precision="bf16", fp8=True, steps=2, val_every=2, sample_bytes=0)
+    config = tiny(tmp_path, mixed_precision="bf16", fp8=True, steps=2, val_every=2, sample_bytes=0,
+                  moe_experts=experts)
     losses = [loss for _, loss in ranks.run(2, train, config, timeout=TIMEOUT_S)[0]["history"]["train"]]
     assert len(losses) == 2 and all(4.0 < loss < 7.0 for loss in losses), losses
 
@@ -268,6 +270,8 @@ def test_expert_parallel_options_are_checked() -> None:
         TrainConfig(moe_experts=6, ep=4)
     with pytest.raises(ValueError, match="--moe-experts with --tp 2"):
         TrainConfig(moe_experts=4, ep=2, tp=2)
+    with pytest.raises(ValueError, match="--ep 2 runs without --fp8"):
+        TrainConfig(moe_experts=4, ep=2, fp8=True, mixed_precision="bf16")
     with pytest.raises(ValueError, match="--moe-top-k 5 must be in"):
         TrainConfig(moe_experts=4, moe_top_k=5)
     with pytest.raises(SystemExit):
