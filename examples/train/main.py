@@ -134,7 +134,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
         ffn = (f", MoE {config.moe_experts} experts top-{config.moe_top_k}"
                if config.moe_experts else "")
         print(f"fsdp main job: {layout} ({dist.get_backend()}, {dev.type}), "
-              f"{n_params / 1e6:.2f}M-parameter decoder ({config.n_layers} blocks, dim {config.dim}{ffn}), "
+              f"{n_params / 1e6:.2f}M-parameter decoder "
+              f"({config.n_layers} blocks, dim {config.dim}{ffn}), "
               f"optimizer {config.optimizer}, {config.mixed_precision}"
               f"{', FP8 all-gather' if config.fp8 else ''}\n"
               f"data: {len(data.train) / 1e6:.1f} MB train / {len(data.val) / 1e6:.2f} MB held out "

@@ -1,11 +1,13 @@
 """Expert parallelism composed with fsdp, the torchtitan layout, on 4 gloo ranks: a mixture of
 experts whose fused 3-D expert stacks are ``Shard(0)`` over a 2-rank EP mesh dim, tokens sent
-to the rank holding their expert and back with an all-to-all (the main job's MoE layer and
-its ``expert_parallel``, :mod:`examples.train.moe` and :mod:`examples.train.parallelize`,
-inside a model written here), the experts
-sharded by fsdp over the data-parallel dim (whole experts per rank: a unit is one expert) and
-everything else over all four ranks. Side by side with FSDP2 on the same layout; both against
-one process on the global batch (every rank's tokens, every expert local)."""
+to the rank holding their expert and back with an all-to-all, the experts sharded by fsdp
+over the data-parallel dim (whole experts per rank: a unit is one expert) and everything else
+over all four ranks. Side by side with FSDP2 on the same layout; both against one process on
+the global batch (every rank's tokens, every expert local).
+
+The model is written here; its MoE layer and the EP wrapping (stacks distributed, token
+all-to-all) are the main job's (``examples/train/moe.py``, ``expert_parallel`` in
+``examples/train/parallelize.py``), so this test also checks the code the job runs."""
 
 from __future__ import annotations
 
