@@ -27,7 +27,16 @@ class TrainConfig:
         world_size: CPU ranks to spawn (ignored under ``torchrun``).
         tp: tensor-parallel degree: the ranks form a ``(world_size / tp, tp)`` mesh, blocks
             use torchtitan's Llama TP plan inside each group of ``tp`` ranks and fsdp shards
-            over the data-parallel dimension (1: FSDP only). AdamW only.
+            over the data-parallel dimension (1: FSDP only).
+        moe_experts: experts of each block's mixture-of-experts feed-forward, replacing the
+            dense SwiGLU with ``moe_experts`` SwiGLU experts of width ``ffn_dim`` stored as
+            fused 3-D stacks (0: dense).
+        moe_top_k: experts each token is routed to (with ``moe_experts``).
+        ep: expert-parallel degree (with ``moe_experts``): the ranks also form a
+            ``(world_size / ep, ep)`` mesh, each EP rank holds ``moe_experts / ep`` whole
+            experts and tokens travel to their expert's rank and back by all-to-all; fsdp
+            shards the experts over the other dimension and everything else over all ranks
+            (1: every rank computes every expert).
         steps: optimizer steps.
         batch_size: sequences per rank per step.
         seq_len: bytes per sequence.
@@ -61,6 +70,9 @@ class TrainConfig:
     optimizer: str = "adamw"
     world_size: int = 2
     tp: int = 1
+    moe_experts: int = 0
+    moe_top_k: int = 1
+    ep: int = 1
     steps: int = 200
     batch_size: int = 8
     seq_len: int = 128
@@ -102,9 +114,30 @@ class TrainConfig:
         if self.tp > 1 and self.fp8:
             raise ValueError(f"tp={self.tp} runs without fp8 (FP8 all-gathers of "
                              "tensor-parallel weights are not supported yet)")
+        self._check_experts()
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"dim={self.dim} must split into n_heads={self.n_heads} heads of "
                              "even width (rotary embeddings rotate pairs)")
+
+    def _check_experts(self) -> None:
+        if self.moe_experts < 0 or self.ep < 1:
+            raise ValueError(f"moe_experts={self.moe_experts} must be >= 0 and ep={self.ep} >= 1")
+        if not self.moe_experts:
+            if self.ep > 1:
+                raise ValueError(f"--ep {self.ep} needs a mixture of experts: set --moe-experts")
+            return
+        if self.moe_experts % self.ep:
+            raise ValueError(f"--moe-experts {self.moe_experts} must be divisible by --ep "
+                             f"{self.ep} (each EP rank holds whole experts)")
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"--moe-top-k {self.moe_top_k} must be in [1, --moe-experts "
+                             f"{self.moe_experts}]")
+        if self.tp > 1:
+            raise ValueError(f"--moe-experts with --tp {self.tp} is not supported yet (the TP "
+                             "plan covers the dense SwiGLU only; use --ep to spread experts)")
+        if self.fp8 and self.ep > 1:
+            raise ValueError(f"--ep {self.ep} runs without --fp8 (the block-wise FP8 all-gather "
+                             "does not take expert-parallel DTensor stacks yet; --ep 1 does)")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:

@@ -29,7 +29,7 @@ from examples.train.data import ByteData
 from examples.train.launch import device, launch
 from examples.train.model import Decoder, ModelConfig
 from examples.train.optimizers import build_optimizer, unit_policy
-from examples.train.parallelize import parallelize
+from examples.train.parallelize import clip_grad_norm, parallelize
 from examples.train.report import generate, plot_losses
 
 LR_KEYS = ("lr", "adamw_lr")
@@ -82,27 +82,36 @@ def train(config: TrainConfig) -> dict[str, Any]:
     lead = rank == 0
     out = Path(config.out)
     data = ByteData.load(config.data, config.seq_len, config.max_bytes, config.val_fraction)
-    if world % config.tp:
-        raise ValueError(f"tp={config.tp} must divide the {world} ranks")
+    for flag, degree in (("tp", config.tp), ("ep", config.ep)):
+        if world % degree:
+            raise ValueError(f"--{flag} {degree} must divide the {world} ranks")
     dp = world // config.tp
     if config.tp > 1:
         world_mesh = init_device_mesh(dev.type, (dp, config.tp), mesh_dim_names=("dp", "tp"))
         mesh, tp_mesh = world_mesh["dp"], world_mesh["tp"]
     else:
         mesh, tp_mesh = init_device_mesh(dev.type, (world,)), None
+    # Expert parallelism keeps every rank data-parallel: only the experts use this mesh.
+    expert_mesh = (init_device_mesh(dev.type, (world // config.ep, config.ep),
+                                    mesh_dim_names=("dp", "ep")) if config.ep > 1 else None)
+    if expert_mesh is not None:
+        # the experts' gradient norm reduces over both dims: one all-reduce on the flattened
+        # dim instead of two in turn (DTensor warns about the latter)
+        expert_mesh._flatten("dp_ep")
     # Batches are cut per data-parallel rank: the tp ranks of one group share theirs.
     dp_rank = mesh.get_local_rank()
     val_batches = [b.to(dev) for b in data.val_batches(config.val_windows, config.batch_size, dp_rank, dp)]
 
     torch.manual_seed(config.seed)
     model_config = ModelConfig(dim=config.dim, n_layers=config.n_layers, n_heads=config.n_heads,
-                               ffn_dim=config.ffn_dim, max_seq_len=config.seq_len)
+                               ffn_dim=config.ffn_dim, max_seq_len=config.seq_len,
+                               n_experts=config.moe_experts, top_k=config.moe_top_k)
     with dev:
         model = Decoder(model_config)
     n_params = sum(p.numel() for p in model.parameters())
     param_dtype = torch.bfloat16 if config.mixed_precision == "bf16" else None
     parallelize(model, mesh, unit_policy(config.optimizer), param_dtype, fp8=config.fp8,
-                tp_mesh=tp_mesh)
+                tp_mesh=tp_mesh, expert_mesh=expert_mesh)
     optimizer = build_optimizer(config.optimizer, model, config.lr, config.weight_decay)
     base_lrs = [{k: g[k] for k in LR_KEYS if k in g} for g in optimizer.param_groups]
 
@@ -120,8 +129,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if lead:
         source = config.data or "the Python standard library's *.py files"
         layout = f"{world} ranks" if tp_mesh is None else f"{world} ranks (dp {dp} x tp {config.tp})"
+        if expert_mesh is not None:
+            layout += f" (experts: dp {world // config.ep} x ep {config.ep})"
+        ffn = (f", MoE {config.moe_experts} experts top-{config.moe_top_k}"
+               if config.moe_experts else "")
         print(f"fsdp main job: {layout} ({dist.get_backend()}, {dev.type}), "
-              f"{n_params / 1e6:.2f}M-parameter decoder ({config.n_layers} blocks, dim {config.dim}), "
+              f"{n_params / 1e6:.2f}M-parameter decoder "
+              f"({config.n_layers} blocks, dim {config.dim}{ffn}), "
               f"optimizer {config.optimizer}, {config.mixed_precision}"
               f"{', FP8 all-gather' if config.fp8 else ''}\n"
               f"data: {len(data.train) / 1e6:.1f} MB train / {len(data.val) / 1e6:.2f} MB held out "
@@ -142,7 +156,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         loss = loss_sum(model, batch) / batch[:, 1:].numel()
         loss.backward()
         if config.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+            clip_grad_norm(model.parameters(), config.clip)
         optimizer.step()
         optimizer.zero_grad()
         mean_loss = mean_over_ranks(loss.detach(), torch.ones(()))

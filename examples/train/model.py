@@ -1,4 +1,5 @@
-"""A small LLaMA-style decoder: RMSNorm, rotary attention, SwiGLU, untied LM head.
+"""A small LLaMA-style decoder: RMSNorm, rotary attention, SwiGLU (or a mixture of SwiGLU
+experts, :mod:`examples.train.moe`), untied LM head.
 
 Plain PyTorch that knows nothing of sharding: :mod:`examples.train.parallelize` is the one
 place that wraps it, as torchtitan keeps its models and its parallelisms apart.
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from examples.train.moe import MoE
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,9 @@ class ModelConfig:
         ffn_dim: SwiGLU hidden width.
         max_seq_len: longest sequence the rotary table covers.
         rope_theta: rotary base.
+        n_experts: experts of each block's mixture-of-experts feed-forward (0: the dense
+            SwiGLU); each expert is a SwiGLU of width ``ffn_dim``.
+        top_k: experts per token (with ``n_experts``).
     """
 
     vocab_size: int = 256
@@ -34,6 +40,8 @@ class ModelConfig:
     ffn_dim: int = 352
     max_seq_len: int = 128
     rope_theta: float = 10000.0
+    n_experts: int = 0
+    top_k: int = 1
 
 
 class RMSNorm(nn.Module):
@@ -101,16 +109,22 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: attention, then feed-forward."""
+    """Pre-norm residual block: attention, then feed-forward (``feed_forward``, or ``moe``
+    with ``n_experts``)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.attention_norm, self.attention = RMSNorm(config.dim), Attention(config)
-        self.ffn_norm, self.feed_forward = RMSNorm(config.dim), FeedForward(config)
+        self.ffn_norm = RMSNorm(config.dim)
+        if config.n_experts:
+            self.moe = MoE(config.dim, config.ffn_dim, config.n_experts, config.top_k)
+        else:
+            self.feed_forward = FeedForward(config)
 
     def forward(self, x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rotary)
-        return x + self.feed_forward(self.ffn_norm(x))
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return x + ffn(self.ffn_norm(x))
 
 
 class Decoder(nn.Module):
@@ -128,9 +142,10 @@ class Decoder(nn.Module):
 
     def _init_weights(self) -> None:
         # Small normal init, residual projections scaled by depth (as in GPT-2 and torchtitan).
+        residual = ("wo.weight", "w2.weight", "experts.w2")
         for name, p in self.named_parameters():
-            if p.dim() == 2:
-                std = 0.02 / (2 * self.config.n_layers) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            if p.dim() >= 2:  # matrices and expert stacks
+                std = 0.02 / (2 * self.config.n_layers) ** 0.5 if name.endswith(residual) else 0.02
                 nn.init.normal_(p, std=std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,13 @@
 """Expert parallelism composed with fsdp, the torchtitan layout, on 4 gloo ranks: a mixture of
 experts whose fused 3-D expert stacks are ``Shard(0)`` over a 2-rank EP mesh dim, tokens sent
-to the rank holding their expert and back with an all-to-all written here, the experts
-sharded by fsdp over the data-parallel dim (whole experts per rank: a unit is one expert) and
-everything else over all four ranks. Side by side with FSDP2 on the same layout; both against
-one process on the global batch (every rank's tokens, every expert local)."""
+to the rank holding their expert and back with an all-to-all, the experts sharded by fsdp
+over the data-parallel dim (whole experts per rank: a unit is one expert) and everything else
+over all four ranks. Side by side with FSDP2 on the same layout; both against one process on
+the global batch (every rank's tokens, every expert local).
+
+The model is written here; its MoE layer and the EP wrapping (stacks distributed, token
+all-to-all) are the main job's (``examples/train/moe.py``, ``expert_parallel`` in
+``examples/train/parallelize.py``), so this test also checks the code the job runs."""
 
 from __future__ import annotations
 
@@ -11,68 +15,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from examples.train.moe import MoE
+from examples.train.parallelize import expert_parallel
 from tests.fsdp.models import full, import_fsdp
 from tests.harness import device_mesh
 
 DIM, HIDDEN, EXPERTS, TOKENS, STEPS = 12, 20, 4, 9, 4
-
-
-class Experts(nn.Module):
-    """``EXPERTS`` SwiGLU-free two-layer experts as fused stacks (torchtitan's GroupedExperts
-    layout): ``w1`` ``(E, DIM, HIDDEN)``, ``w2`` ``(E, HIDDEN, DIM)``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w1 = nn.Parameter(torch.randn(EXPERTS, DIM, HIDDEN) / DIM ** 0.5)
-        self.w2 = nn.Parameter(torch.randn(EXPERTS, HIDDEN, DIM) / HIDDEN ** 0.5)
-
-    def forward(self, tokens: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
-        """Row ``i`` of ``tokens`` through local expert ``expert_of_row[i]``."""
-        w1, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2))
-        out = torch.zeros_like(tokens)
-        for j in range(w1.shape[0]):
-            rows = (expert_of_row == j).nonzero().squeeze(1)
-            y = F.silu(tokens[rows] @ w1[j]) @ w2[j]
-            out = out.index_add(0, rows, y)
-        return out
-
-
-class MoE(nn.Module):
-    """Top-1 routing; with an EP group, tokens travel to their expert's rank and back."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.router = nn.Linear(DIM, EXPERTS, bias=False)
-        self.experts = Experts()
-        self.ep_group: dist.ProcessGroup | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, expert = self.router(x).softmax(-1).max(-1)
-        order = torch.argsort(expert, stable=True)
-        counts = torch.bincount(expert, minlength=EXPERTS)
-        if self.ep_group is None:
-            out = self.experts(x[order], expert[order])
-        else:
-            out = self._dispatch_and_combine(x[order], counts)
-        return out[torch.argsort(order)] * gate[:, None]
-
-    def _dispatch_and_combine(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ep = dist.get_world_size(self.ep_group)
-        local = EXPERTS // ep
-        send = counts.view(ep, local)  # rows: destination rank; columns: its local experts
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.ep_group)
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        received = all_to_all_single_autograd(sorted_x, out_splits, in_splits, self.ep_group)
-        expert_of_row = torch.repeat_interleave(torch.arange(local).repeat(ep), recv.flatten())
-        done = self.experts(received, expert_of_row)
-        return all_to_all_single_autograd(done, in_splits, out_splits, self.ep_group)
+STACKS = ("w1", "w3", "w2")
 
 
 class Model(nn.Module):
@@ -80,8 +32,11 @@ class Model(nn.Module):
         super().__init__()
         torch.manual_seed(3)
         self.proj_in = nn.Linear(DIM, DIM)
-        self.moe = MoE()
+        self.moe = MoE(DIM, HIDDEN, EXPERTS, top_k=1)
         self.proj_out = nn.Linear(DIM, 5)
+        for name in ("w1", "w3", "w2"):
+            stack = getattr(self.moe.experts, name)
+            nn.init.normal_(stack, std=stack.shape[-1] ** -0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.proj_in(x))
@@ -99,12 +54,7 @@ def _run(impl: str | None) -> dict[str, Any]:
         api = import_fsdp(impl)
         mesh = device_mesh(2, 2, names=("dp", "ep"))
         everyone = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_ep",))
-        experts = model.moe.experts
-        for name in ("w1", "w2"):
-            param = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(distribute_tensor(param.detach(), mesh["ep"],
-                                                                  [Shard(0)])))
-        model.moe.ep_group = mesh["ep"].get_group()
+        (experts,) = expert_parallel(model, mesh["ep"])
         api.fully_shard(experts, mesh=mesh["dp"])
         # an expert's gradient gathers every rank's tokens through the all-to-all: summed
         # over dp it holds all four ranks' contributions, so it is averaged over all four
@@ -129,7 +79,7 @@ def _run(impl: str | None) -> dict[str, Any]:
             loss /= world
     params = {n: full(p) for n, p in model.named_parameters()}
     # elements of each expert stack this rank holds (a ragged run of its EP-local experts)
-    held = ([getattr(model.moe.experts, n).to_local().numel() for n in ("w1", "w2")]
+    held = ([getattr(model.moe.experts, n).to_local().numel() for n in STACKS]
             if impl == "fsdp" else None)
     return {"losses": torch.stack(losses), "params": params, "held": held}
 
@@ -157,7 +107,7 @@ def test_experts_over_ep_and_fsdp_train_like_one_process(ranks) -> None:
         assert ours["param"] <= max(2 * theirs["param"], 1e-5), out
     # each EP rank's 2 experts per stack are cut over the 2 dp ranks, whole experts only
     for dp_pair in ((0, 2), (1, 3)):
-        for stack in range(2):
+        for stack in range(len(STACKS)):
             runs = [ranks_out[r]["fsdp"]["held"][stack] for r in dp_pair]
             assert sum(runs) == 2 * DIM * HIDDEN, ranks_out
             assert all(run % (DIM * HIDDEN) == 0 for run in runs), ranks_out
