@@ -165,6 +165,55 @@ def test_unsharded_memory_holds_at_most_current_and_prefetched_group(ranks):
         assert not any(out["grad_memory_after_step"])
 
 
+def _prefetch_timing() -> dict[str, Any]:
+    """Each backward prefetch, with how many gradients the group whose backward runs (the
+    last to compute one) had computed then, out of its trainable parameters."""
+    from fsdp import param_group, state
+
+    counts: dict[int, int] = {}
+    current: list[Any] = [None]
+    prefetches: list[tuple[int, int | None, int, int]] = []
+    computed, prefetch = param_group.FSDPParamGroup.grad_computed, state._prefetch_for_backward
+
+    def traced_grad(self: Any) -> None:
+        if current[0] is not self:
+            current[0], counts[id(self)] = self, 0
+        counts[id(self)] += 1
+        computed(self)
+
+    def traced_prefetch(group: Any) -> None:
+        running = current[0]
+        prefetches.append((id(group), None, 0, 0) if running is None else (
+            id(group), id(running), counts[id(running)],
+            sum(p.trainable for p in running.params)))
+        prefetch(group)
+
+    # patched before the model exists: each parameter binds its group's grad_computed
+    param_group.FSDPParamGroup.grad_computed = traced_grad
+    state._prefetch_for_backward = traced_prefetch
+    try:
+        model = _sharded_model(dist.get_world_size())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for tokens in batches(RunSpec(steps=2, global_batch=2 * dist.get_world_size())):
+            current[0] = None
+            _step(model, optimizer, tokens)
+    finally:
+        param_group.FSDPParamGroup.grad_computed = computed
+        state._prefetch_for_backward = prefetch
+    return {"prefetches": prefetches}
+
+
+def test_backward_prefetch_waits_for_half_of_the_current_groups_gradients(ranks):
+    """The next group's all-gather starts in the middle of the current group's backward, not
+    at its pre-backward (when its activations are all alive and its gradient buffer is being
+    allocated): every backward prefetch comes after half of the running group's gradients."""
+    for out in ranks.run(2, _prefetch_timing):
+        assert out["prefetches"], out
+        for target, running, seen, trainable in out["prefetches"]:
+            assert running is not None and running != target, out
+            assert seen >= (trainable + 1) // 2, out
+
+
 def _frozen_and_tied() -> dict[str, Any]:
     model = _sharded_model(dist.get_world_size())
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)

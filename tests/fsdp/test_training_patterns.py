@@ -256,9 +256,7 @@ def _gradient_memory_case(prefetch: bool, in_flight: bool) -> dict[str, Any]:
 
     ctx.post_backward = traced_post_backward
     for g in groups:
-        g.aim_grads = functools.partial(traced_aim, g, g.aim_grads)
-        for p in g.params:
-            p.on_first_grad = g.aim_grads
+        g.aim_grads = functools.partial(traced_aim, g, g.aim_grads)  # grad_computed calls it
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
         model(_tokens(step, dist.get_rank())).float().pow(2).mean().backward()

@@ -42,7 +42,7 @@ class ManagedParam:
             unshard and kept, since the buffer keeps its storage across free and re-gather.
         got_grad: whether autograd delivered a gradient since the last reduction (FSDP2
             gives a sharded ``.grad`` only to parameters that got one).
-        on_first_grad: the group's :meth:`~fsdp.param_group.FSDPParamGroup.aim_grads`,
+        on_grad: the group's :meth:`~fsdp.param_group.FSDPParamGroup.grad_computed`,
             called when a gradient of this parameter is computed, before it is accumulated.
     """
 
@@ -52,7 +52,7 @@ class ManagedParam:
     sharded: nn.Parameter
     unsharded: nn.Parameter | None = None
     got_grad: bool = False
-    on_first_grad: Callable[[], None] | None = None
+    on_grad: Callable[[], None] | None = None
 
     @property
     def trainable(self) -> bool:
@@ -89,8 +89,8 @@ class ManagedParam:
         """Runs when the gradient is computed, before autograd accumulates it into ``.grad``:
         the group's gradient buffer is allocated and aimed at then, not at pre-backward, so
         it exists only while gradients arrive."""
-        if self.on_first_grad is not None:
-            self.on_first_grad()
+        if self.on_grad is not None:
+            self.on_grad()
 
     def adopt(self, value: torch.Tensor) -> None:
         """Copy this rank's run of ``value`` (a tensor the user assigned in place of the

@@ -119,10 +119,15 @@ class FSDPParamGroup:
         # reduction in flight there), and whether the .grad views are aimed this backward.
         self.before_grad_memory: Callable[[], None] | None = None
         self._grads_aimed = False
+        self._half_grads = 1
+        # Called once half of the group's gradients were computed in a backward (the module
+        # state starts the waiting backward prefetch there), and the count so far.
+        self.half_grads_computed: Callable[[], None] | None = None
+        self._grads_computed = 0
         # Parameters whose gradients wait in the buffers' partial HSDP sums (all_reduce off).
         self._partial_grads: set[str] = set()
         for p in params:
-            p.on_first_grad = self.aim_grads
+            p.on_grad = self.grad_computed
         self._gathers: list[CollectiveHandle] | None = None
         self._gathered_versions: list[int] = []
         self.quantizer: GroupQuantizer | None = None  # FP8 all-gather (fsdp.fp8)
@@ -337,6 +342,21 @@ class FSDPParamGroup:
         self.unshard()
         self.wait_for_unshard()
 
+    def grad_computed(self) -> None:
+        """A gradient of one of the group's parameters was computed (before autograd
+        accumulates it): the first aims the ``.grad`` views (:meth:`aim_grads`); when half of
+        the group's trainable parameters have had one, :attr:`half_grads_computed` runs.
+
+        Why half: the backward prefetch of the next group waits until then (see
+        :meth:`fsdp.state.StepContext.prefetch_for_backward`). At a group's first gradient its
+        activations are all still alive and its gradient buffer has just been allocated; by the
+        middle of its backward the activations it freed make room for the gathered group,
+        which still has the second half of the backward to arrive."""
+        self.aim_grads()
+        self._grads_computed += 1
+        if self._grads_computed == self._half_grads and self.half_grads_computed is not None:
+            self.half_grads_computed()
+
     def aim_grads(self) -> None:
         """Called when the first gradient of one of the group's parameters is computed,
         before autograd accumulates it: finish the reduction in flight (so the previous
@@ -349,9 +369,12 @@ class FSDPParamGroup:
         if self.before_grad_memory is not None:
             self.before_grad_memory()
         self.finish_reduce()
+        aimed = 0
         for p in self.params:
             if p.trainable and p.unsharded is not None:
                 p.aim_grad()
+                aimed += 1
+        self._half_grads = (aimed + 1) // 2
 
     def post_backward(self) -> bool:
         """The group's gradients are complete: reduce-scatter them (asynchronously, finished
@@ -366,6 +389,7 @@ class FSDPParamGroup:
         self.training_state = TrainingState.POST_BACKWARD
         self.finish_reduce()
         self._grads_aimed = False
+        self._grads_computed = 0
         trainable = [p for p in self.params if p.trainable]
         for p in trainable:
             p.collect_grad()
@@ -515,6 +539,7 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
         self.ran_grad_forward = False
         self._grads_aimed = False
+        self._grads_computed = 0
         self.post_forward_indices.clear()
         self.reshard()
         for p in self.params:

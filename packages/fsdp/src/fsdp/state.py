@@ -44,21 +44,36 @@ class StepContext:
 
     def finish_reduces(self) -> None:
         """Finish every reduction still in flight, then issue the backward prefetches that
-        waited for it."""
+        waited."""
+        self.finish_reductions()
+        self.issue_prefetches()
+
+    def finish_reductions(self) -> None:
+        """Finish every reduction still in flight (at a group's first gradient: the previous
+        group's gradient buffer is released before the next one is allocated)."""
         while self.reducing:
             self.reducing.pop(0).finish_reduce()
+
+    def issue_prefetches(self) -> None:
+        """Start the backward prefetches that wait (see :meth:`prefetch_for_backward`)."""
         while self.prefetching:
             _prefetch_for_backward(self.prefetching.pop(0))
 
     def prefetch_for_backward(self, group: FSDPParamGroup) -> None:
-        """Start ``group``'s all-gather for the backward, or, while a reduction is in flight,
-        when it finishes (at the current group's first gradient at the latest): the gathered
-        parameters then never coexist with the previous group's gradient buffer and the
-        collective's staging, and the gather still overlaps the current group's backward."""
-        if self.reducing:
+        """Queue ``group``'s all-gather for the backward; it starts once half of the current
+        group's gradients were computed (:meth:`FSDPParamGroup.grad_computed`), at the
+        current group's post-backward at the latest. The gathered parameters then never
+        coexist with the previous group's gradient buffer, nor with the current group's
+        activations at their peak (its first gradient), and the gather still overlaps the
+        second half of the current group's backward: FSDP1's trade between its
+        ``BACKWARD_PRE`` and ``BACKWARD_POST`` prefetch."""
+        if group not in self.prefetching:
             self.prefetching.append(group)
-        else:
-            _prefetch_for_backward(group)
+
+    def drop_prefetch(self, group: FSDPParamGroup) -> None:
+        """Forget a queued prefetch of ``group`` (its own pre-backward gathers it now)."""
+        if group in self.prefetching:
+            self.prefetching.remove(group)
 
     def post_backward(self, group: FSDPParamGroup, *, last: bool | None = None) -> None:
         """Run ``group``'s post-backward (its ``finalize_backward`` at the end of a backward,
@@ -124,7 +139,8 @@ class FSDPState:
         self.modules = modules
         self.group = group
         if group is not None:
-            group.before_grad_memory = lambda: self.ctx.finish_reduces()
+            group.before_grad_memory = lambda: self.ctx.finish_reductions()
+            group.half_grads_computed = lambda: self.ctx.issue_prefetches()
         self.mp_policy = mp_policy
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.is_root: bool | None = None
@@ -329,6 +345,7 @@ class FSDPState:
         self.ctx.queue_final_callback()
         for group in self.groups:
             first = group.training_state != TrainingState.PRE_BACKWARD
+            self.ctx.drop_prefetch(group)
             group.pre_backward()
             if first and self.states_to_backward_prefetch is None:
                 self._implicit_backward_prefetch(group)
