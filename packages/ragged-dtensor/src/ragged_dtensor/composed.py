@@ -84,9 +84,10 @@ def tp_box(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[in
 
     Raises:
         NotImplementedError: for a ``_StridedShard`` beside the RaggedShard.
-        ValueError: when ``coordinate`` is ``None`` and this rank is not in ``mesh``.
+        ValueError: when ``coordinate`` is ``None``, a ``Shard`` placement is present and this
+            rank is not in ``mesh``.
     """
-    if coordinate is None:
+    if coordinate is None and any(is_tp_shard(p) for p in placements):
         coordinate = mesh.get_coordinate()
         if coordinate is None:
             raise ValueError(f"the TP-local shape of a DTensor on {mesh} on a rank outside it "
