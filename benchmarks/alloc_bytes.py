@@ -34,8 +34,8 @@ import ctypes
 import itertools
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -116,23 +116,72 @@ class Timeline:
                 best, when = self.live[i], self.times[i]
         return best, when
 
-    def live_at(self, t_ns: int) -> list[Allocation]:
+    def live_at(self, t_ns: int,
+                may_die_on_worker: Callable[[Allocation], bool] | None = None) -> list[Allocation]:
         """Every allocation holding bytes at ``t_ns``.
 
         A block freed on a worker thread while that thread allocated as much leaves no jump
         in ``total_allocated``, so its free is never seen and it looks live past its end.
         When the open allocations add up to more than the allocator's count, the excess is
-        taken off as the oldest set of blocks that may die on a worker (made there, or by a
-        collective) whose sizes add up to it exactly; if no set does, nothing is taken off
-        and the difference shows as unattributed."""
+        taken off as the oldest set of blocks that may die on a worker whose sizes add up to
+        it exactly; failing that, as such a set of blocks made on other threads plus bytes of
+        the worker blocks (whose sizes are only differences of two counts, see
+        :func:`_account_unseen`), the oldest of those drained first. If neither explains it,
+        nothing is taken off and the difference shows as unattributed.
+
+        Args:
+            t_ns: the instant.
+            may_die_on_worker: which blocks may be freed on a worker: by default those made
+                on one or by a collective; a caller that knows which of its buffers it hands
+                to asynchronous collectives (and drops before they finish) adds those.
+        """
         live = [a for a in self.allocations if a.live_at(t_ns)]
         excess = sum(a.nbytes for a in live) - self.bytes_at(t_ns)
         if excess <= 0:
             return live
-        maybe_freed = [a for a in live if a.scopes == (WORKER_SCOPE,)
-                       or any(s.startswith("c10d::") for s in a.scopes)]
+        maybe = may_die_on_worker or _made_by_worker_or_collective
+        maybe_freed = [a for a in live if a.scopes == (WORKER_SCOPE,) or maybe(a)]
         dropped = _subset_with_sum(maybe_freed, excess)
-        return live if dropped is None else [a for a in live if a not in dropped]
+        if dropped is not None:
+            return [a for a in live if a not in dropped]
+        workers = [a for a in maybe_freed if a.scopes == (WORKER_SCOPE,)]
+        others = [a for a in maybe_freed if a.scopes != (WORKER_SCOPE,)]
+        dropped = _subset_with_sum_within(others, excess - sum(a.nbytes for a in workers), excess)
+        if dropped is None:
+            return live
+        drained = _drain(workers, excess - sum(a.nbytes for a in dropped))
+        kept = (drained.get(id(a), a) for a in live if a not in dropped)
+        return [a for a in kept if a is not None]
+
+
+def _made_by_worker_or_collective(alloc: Allocation) -> bool:
+    return alloc.scopes == (WORKER_SCOPE,) or any(s.startswith("c10d::") for s in alloc.scopes)
+
+
+def _subset_with_sum_within(allocations: list[Allocation], low: int,
+                            high: int) -> list[Allocation] | None:
+    """The (oldest-first) subset of ``allocations`` with the largest size sum in
+    ``[low, high]``; ``None`` when no subset's sum is in it."""
+    reach: dict[int, list[Allocation]] = {0: []}
+    for alloc in allocations:
+        for reached, chosen in list(reach.items()):
+            if reached + alloc.nbytes <= high:
+                reach.setdefault(reached + alloc.nbytes, [*chosen, alloc])
+    best = max(reach)
+    return reach[best] if best >= low else None
+
+
+def _drain(workers: list[Allocation], nbytes: int) -> dict[int, Allocation | None]:
+    """Take ``nbytes`` off ``workers``, oldest first: by ``id``, each block's remainder
+    (``None`` when drained whole)."""
+    out: dict[int, Allocation | None] = {}
+    for alloc in sorted(workers, key=lambda a: a.start_ns):
+        if nbytes == 0:
+            break
+        taken = min(alloc.nbytes, nbytes)
+        out[id(alloc)] = replace(alloc, nbytes=alloc.nbytes - taken) if taken < alloc.nbytes else None
+        nbytes -= taken
+    return out
 
 
 def _subset_with_sum(allocations: list[Allocation], total: int) -> list[Allocation] | None:
@@ -277,15 +326,19 @@ def _account_unseen(unseen: int, t_ns: int,
     """Account for allocator activity without events between two events (gloo's worker
     threads have no profiler state: what they allocate or free shows only as a jump of the
     next event's ``total_allocated``). ``unseen < 0``: bytes allocated silently, opened as an
-    allocation in :data:`WORKER_SCOPE`. ``unseen > 0``: bytes freed silently: one freed block
-    or, failing that, two whose sizes add up (a worker that frees a collective's input and its
-    staging copy before the next event). Which block of a size is timing-dependent, so
-    :func:`_close_freed` prefers the likeliest. Three or more silent frees between two events
-    stay unmatched: they show as unattributed bytes."""
+    allocation in :data:`WORKER_SCOPE`. ``unseen > 0``: bytes freed silently, explained as, in
+    this order: one block made on a worker or by a collective; bytes of the open worker blocks
+    (their sizes are only differences of two counts: under load another thread's allocation
+    lands between an event and the count it reports, so a worker's block is seen merged with
+    another and its free does not match it); one block of any kind; two blocks whose sizes add
+    up (a worker that frees a collective's input and its staging copy before the next event).
+    What none of these explains stays unmatched and shows as unattributed bytes."""
     if unseen < 0:
         open_allocs[-t_ns] = (t_ns, -unseen, (WORKER_SCOPE,))
         return
-    if unseen == 0 or _close_freed(unseen, t_ns, open_allocs, done):
+    if (unseen == 0 or _close_freed(unseen, t_ns, open_allocs, done, likely_only=True)
+            or _drain_worker_bytes(unseen, t_ns, open_allocs, done)
+            or _close_freed(unseen, t_ns, open_allocs, done)):
         return
     sizes = Counter(n for _, n, _ in open_allocs.values())
     for first in sorted(sizes):
@@ -298,11 +351,12 @@ def _account_unseen(unseen: int, t_ns: int,
 
 def _close_freed(nbytes: int, t_ns: int,
                  open_allocs: dict[int, tuple[int, int, tuple[str, ...]]],
-                 done: list[tuple[int, int, int, int | None, tuple[str, ...]]]) -> bool:
+                 done: list[tuple[int, int, int, int | None, tuple[str, ...]]],
+                 likely_only: bool = False) -> bool:
     """Close one open block of ``nbytes`` freed silently at ``t_ns``, preferring one made on
     a worker thread, then one a collective made (gloo's staging copies die on its worker
-    threads; an unsharded buffer of the same size does not), then the oldest. False when there
-    is none."""
+    threads; an unsharded buffer of the same size does not), then the oldest
+    (``likely_only``: only the first two kinds). False when there is none."""
     def likeliest(item: tuple[int, tuple[int, int, tuple[str, ...]]]) -> tuple[int, int]:
         ptr, (start, _, scopes) = item
         rank = 0 if scopes == (WORKER_SCOPE,) else 1 if any(
@@ -310,11 +364,37 @@ def _close_freed(nbytes: int, t_ns: int,
         return rank, start
 
     matches = [item for item in open_allocs.items() if item[1][1] == nbytes]
+    if likely_only:
+        matches = [item for item in matches if likeliest(item)[0] < 2]
     if not matches:
         return False
     ptr, _ = min(matches, key=likeliest)
     start, size, where = open_allocs.pop(ptr)
     done.append((start, ptr, size, t_ns, where))
+    return True
+
+
+def _drain_worker_bytes(nbytes: int, t_ns: int,
+                        open_allocs: dict[int, tuple[int, int, tuple[str, ...]]],
+                        done: list[tuple[int, int, int, int | None, tuple[str, ...]]]) -> bool:
+    """Free ``nbytes`` at ``t_ns`` out of the open worker blocks, oldest first, when they hold
+    that many: a block drained in part is closed for the drained part and stays open for the
+    rest. False (nothing changed) when they hold fewer."""
+    workers = sorted((start, ptr) for ptr, (start, _, scopes) in open_allocs.items()
+                     if scopes == (WORKER_SCOPE,))
+    if sum(open_allocs[ptr][1] for _, ptr in workers) < nbytes:
+        return False
+    for start, ptr in workers:
+        _, size, scopes = open_allocs[ptr]
+        taken = min(size, nbytes)
+        done.append((start, ptr, taken, t_ns, scopes))
+        if taken == size:
+            del open_allocs[ptr]
+        else:
+            open_allocs[ptr] = (start, size - taken, scopes)
+        nbytes -= taken
+        if nbytes == 0:
+            return True
     return True
 
 

@@ -249,6 +249,16 @@ def _where(alloc: Allocation) -> str:
     return " > ".join([*named[-2:], *ops[-1:]]) or "(no scope)"
 
 
+HANDED_TO_COLLECTIVES = ("c10d::", "gloo:", "dbuffer::", "mem::unsharded gradient buffer",
+                         "mem::gradient stash", "mem::reduce-scatter buffer", "mem::all-gather output")
+"""Scopes of blocks either system hands to an asynchronous gloo collective: the last reference
+can be the collective's, so the block may be freed on a gloo worker, without an event."""
+
+
+def _may_die_on_worker(alloc: Allocation) -> bool:
+    return any(s.startswith(HANDED_TO_COLLECTIVES) for s in alloc.scopes)
+
+
 def breakdown(timeline: Timeline, t_ns: int, step_start: int, forward_end: int,
               top: int = 12) -> dict[str, Any]:
     """Live bytes at ``t_ns`` by category (summing to the allocator's count), the groups
@@ -258,7 +268,7 @@ def breakdown(timeline: Timeline, t_ns: int, step_start: int, forward_end: int,
     groups: dict[str, set[str]] = {UNSHARDED_PARAMS: set(), UNSHARDED_GRADS: set(),
                                    "reduce-scatter": set(), "all-gather": set()}
     sites: Counter[tuple[str, str, int]] = Counter()
-    for alloc in timeline.live_at(t_ns):
+    for alloc in timeline.live_at(t_ns, _may_die_on_worker):
         category, group = classify(alloc, step_start, forward_end)
         by_cat[category] += alloc.nbytes
         if category in (UNSHARDED_PARAMS, UNSHARDED_GRADS) and group:
