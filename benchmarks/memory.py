@@ -66,9 +66,11 @@ MB = 2**20
 
 SYSTEMS = {"fsdp": "fsdp", "fsdp2": "torch.distributed.fsdp"}
 # fsdp's memory knobs, measured as systems of their own: no prefetch and no reduce-scatter in
-# flight (``set_prefetch(False)``, ``set_reduce_in_flight(False)``), and memory-first mode on
-# top (``fsdp.optimizer_in_backward``: each group stepped as its reduction lands).
-VARIANTS = {"fsdp_no_overlap": "fsdp", "fsdp_memory_first": "fsdp"}
+# flight (``set_prefetch(False)``, ``set_reduce_in_flight(False)``), memory-first mode on top
+# (``fsdp.optimizer_in_backward``: each group stepped as its reduction lands), and the backward
+# prefetch at the pre-backward (``set_backward_prefetch_start("pre_backward")``).
+VARIANTS = {"fsdp_no_overlap": "fsdp", "fsdp_memory_first": "fsdp",
+            "fsdp_prefetch_at_pre_backward": "fsdp"}
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 MODELS = {
     "llama1024": ModelConfig(layers=4, dim=1024, heads=16, ffn=4096, vocab=1000, seq=16,
@@ -355,7 +357,9 @@ def train_and_trace(system: str, cfg: ModelConfig, compute: torch.dtype | None, 
             else:
                 _fsdp2_scoped_collectives(model)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            if variant in VARIANTS:
+            if variant == "fsdp_prefetch_at_pre_backward":
+                model.set_backward_prefetch_start("pre_backward")
+            elif variant in VARIANTS:
                 model.set_prefetch(False)
                 model.set_reduce_in_flight(False)
             if variant == "fsdp_memory_first":

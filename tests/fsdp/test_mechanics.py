@@ -165,27 +165,34 @@ def test_unsharded_memory_holds_at_most_current_and_prefetched_group(ranks):
         assert not any(out["grad_memory_after_step"])
 
 
-def _prefetch_timing() -> dict[str, Any]:
+def _prefetch_timing(start: str | None) -> dict[str, Any]:
     """Each backward prefetch, with how many gradients the group whose backward runs (the
-    last to compute one) had computed then, out of its trainable parameters."""
+    last to compute one) had computed then, out of its trainable parameters, and whether a
+    gradient hook issued it (``start``: the ``set_backward_prefetch_start`` argument, ``None``
+    for the default)."""
     from fsdp import param_group, state
 
     counts: dict[int, int] = {}
     current: list[Any] = [None]
-    prefetches: list[tuple[int, int | None, int, int]] = []
+    in_grad_hook = [False]
+    prefetches: list[tuple[int, int | None, int, int, bool]] = []
     computed, prefetch = param_group.FSDPParamGroup.grad_computed, state._prefetch_for_backward
 
     def traced_grad(self: Any) -> None:
         if current[0] is not self:
             current[0], counts[id(self)] = self, 0
         counts[id(self)] += 1
-        computed(self)
+        in_grad_hook[0] = True
+        try:
+            computed(self)
+        finally:
+            in_grad_hook[0] = False
 
     def traced_prefetch(group: Any) -> None:
         running = current[0]
-        prefetches.append((id(group), None, 0, 0) if running is None else (
+        prefetches.append((id(group), None, 0, 0, in_grad_hook[0]) if running is None else (
             id(group), id(running), counts[id(running)],
-            sum(p.trainable for p in running.params)))
+            sum(p.trainable for p in running.params), in_grad_hook[0]))
         prefetch(group)
 
     # patched before the model exists: each parameter binds its group's grad_computed
@@ -193,6 +200,8 @@ def _prefetch_timing() -> dict[str, Any]:
     state._prefetch_for_backward = traced_prefetch
     try:
         model = _sharded_model(dist.get_world_size())
+        if start is not None:
+            model.set_backward_prefetch_start(start)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         for tokens in batches(RunSpec(steps=2, global_batch=2 * dist.get_world_size())):
             current[0] = None
@@ -207,11 +216,33 @@ def test_backward_prefetch_waits_for_half_of_the_current_groups_gradients(ranks)
     """The next group's all-gather starts in the middle of the current group's backward, not
     at its pre-backward (when its activations are all alive and its gradient buffer is being
     allocated): every backward prefetch comes after half of the running group's gradients."""
-    for out in ranks.run(2, _prefetch_timing):
+    for out in ranks.run(2, _prefetch_timing, None):
         assert out["prefetches"], out
-        for target, running, seen, trainable in out["prefetches"]:
+        for target, running, seen, trainable, from_grad_hook in out["prefetches"]:
             assert running is not None and running != target, out
-            assert seen >= (trainable + 1) // 2, out
+            assert seen >= (trainable + 1) // 2 and from_grad_hook, out
+
+
+def test_backward_prefetch_at_pre_backward_when_asked(ranks):
+    """``set_backward_prefetch_start("pre_backward")``: as many prefetches, each issued by a
+    pre-backward hook or, while a reduce-scatter is in flight, at the running group's first
+    gradient; a bad argument raises naming it."""
+    for out, default in zip(ranks.run(2, _prefetch_timing, "pre_backward"),
+                            ranks.run(2, _prefetch_timing, None)):
+        assert out["prefetches"] and len(out["prefetches"]) == len(default["prefetches"])
+        # at the pre-backward, or at the running group's first gradient when a reduce-scatter
+        # was in flight then
+        assert all(not hook or seen == 1 for _, _, seen, _, hook in out["prefetches"]), out
+        assert not all(hook for *_, hook in out["prefetches"]), out
+    for message in ranks.run(2, _bad_prefetch_start):
+        assert "when must be 'half_gradients' or 'pre_backward', got 'post_backward'" in message
+
+
+def _bad_prefetch_start() -> str:
+    model = _sharded_model(dist.get_world_size())
+    with pytest.raises(ValueError) as raised:
+        model.set_backward_prefetch_start("post_backward")
+    return str(raised.value)
 
 
 def _frozen_and_tied() -> dict[str, Any]:

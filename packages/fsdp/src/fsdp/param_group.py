@@ -81,6 +81,10 @@ class GroupConfig:
     reduce_scatter_unused_params: bool = False
     gradient_divide_factor: float | None = None
     prefetch: bool = True
+    # When the backward prefetch issued from this group's pre-backward starts: at half of its
+    # gradients ("half_gradients") or at once, at its first gradient while a reduce-scatter is
+    # in flight ("pre_backward").
+    backward_prefetch_start: str = "half_gradients"
     reduce_in_flight: bool = True
     # FSDP2's all-reduce hook: called with each reduced flat gradient (FSDPModule.set_all_reduce_hook).
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
@@ -345,7 +349,8 @@ class FSDPParamGroup:
     def grad_computed(self) -> None:
         """A gradient of one of the group's parameters was computed (before autograd
         accumulates it): the first aims the ``.grad`` views (:meth:`aim_grads`); when half of
-        the group's trainable parameters have had one, :attr:`half_grads_computed` runs.
+        the group's trainable parameters have had one (after the first, with
+        ``backward_prefetch_start="pre_backward"``), :attr:`half_grads_computed` runs.
 
         Why half: the backward prefetch of the next group waits until then (see
         :meth:`fsdp.state.StepContext.prefetch_for_backward`). At a group's first gradient its
@@ -374,7 +379,8 @@ class FSDPParamGroup:
             if p.trainable and p.unsharded is not None:
                 p.aim_grad()
                 aimed += 1
-        self._half_grads = (aimed + 1) // 2
+        pre_backward = self.config.backward_prefetch_start == "pre_backward"
+        self._half_grads = 1 if pre_backward else (aimed + 1) // 2
 
     def post_backward(self) -> bool:
         """The group's gradients are complete: reduce-scatter them (asynchronously, finished

@@ -59,15 +59,21 @@ class StepContext:
         while self.prefetching:
             _prefetch_for_backward(self.prefetching.pop(0))
 
-    def prefetch_for_backward(self, group: FSDPParamGroup) -> None:
+    def prefetch_for_backward(self, group: FSDPParamGroup, *, now: bool = False) -> None:
         """Queue ``group``'s all-gather for the backward; it starts once half of the current
         group's gradients were computed (:meth:`FSDPParamGroup.grad_computed`), at the
         current group's post-backward at the latest. The gathered parameters then never
         coexist with the previous group's gradient buffer, nor with the current group's
         activations at their peak (its first gradient), and the gather still overlaps the
         second half of the current group's backward: FSDP1's trade between its
-        ``BACKWARD_PRE`` and ``BACKWARD_POST`` prefetch."""
-        if group not in self.prefetching:
+        ``BACKWARD_PRE`` and ``BACKWARD_POST`` prefetch. ``now`` (the current group's
+        ``set_backward_prefetch_start("pre_backward")``) starts it at once unless a reduction
+        is in flight (then at the current group's first gradient, when that reduction has
+        finished): more overlap, more memory."""
+        if now and not self.reducing:
+            self.drop_prefetch(group)
+            _prefetch_for_backward(group)
+        elif group not in self.prefetching:
             self.prefetching.append(group)
 
     def drop_prefetch(self, group: FSDPParamGroup) -> None:
@@ -343,23 +349,24 @@ class FSDPState:
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         self.training_state = TrainingState.PRE_BACKWARD
         self.ctx.queue_final_callback()
+        now = any(g.config.backward_prefetch_start == "pre_backward" for g in self.groups)
         for group in self.groups:
             first = group.training_state != TrainingState.PRE_BACKWARD
             self.ctx.drop_prefetch(group)
             group.pre_backward()
             if first and self.states_to_backward_prefetch is None:
-                self._implicit_backward_prefetch(group)
+                self._implicit_backward_prefetch(group, now)
         for state in self.states_to_backward_prefetch or ():
             for target in state.groups:
-                self.ctx.prefetch_for_backward(target)
+                self.ctx.prefetch_for_backward(target, now=now)
         return grad
 
-    def _implicit_backward_prefetch(self, group: FSDPParamGroup) -> None:
+    def _implicit_backward_prefetch(self, group: FSDPParamGroup, now: bool) -> None:
         if not group.post_forward_indices:
             return
         index = group.post_forward_indices.pop()
         if index > 0:
-            self.ctx.prefetch_for_backward(self.ctx.post_forward_order[index - 1])
+            self.ctx.prefetch_for_backward(self.ctx.post_forward_order[index - 1], now=now)
 
     def reset_iter_state(self) -> None:
         """Recover from a forward or backward that raised (see ``FSDPModule``)."""
