@@ -174,14 +174,20 @@ def _subset_with_sum_within(allocations: list[Allocation], low: int,
 def _drain(workers: list[Allocation], nbytes: int) -> dict[int, Allocation | None]:
     """Take ``nbytes`` off ``workers``, oldest first: by ``id``, each block's remainder
     (``None`` when drained whole)."""
-    out: dict[int, Allocation | None] = {}
-    for alloc in sorted(workers, key=lambda a: a.start_ns):
-        if nbytes == 0:
-            break
-        taken = min(alloc.nbytes, nbytes)
-        out[id(alloc)] = replace(alloc, nbytes=alloc.nbytes - taken) if taken < alloc.nbytes else None
-        nbytes -= taken
-    return out
+    workers = sorted(workers, key=lambda a: a.start_ns)
+    return {id(a): replace(a, nbytes=a.nbytes - taken) if taken < a.nbytes else None
+            for a, taken in zip(workers, _oldest_first_takes([a.nbytes for a in workers], nbytes))
+            if taken}
+
+
+def _oldest_first_takes(sizes: list[int], nbytes: int) -> list[int]:
+    """How many bytes each block of ``sizes`` (oldest first) gives to make up ``nbytes``,
+    taking whole blocks from the oldest on."""
+    takes = []
+    for size in sizes:
+        takes.append(min(size, nbytes))
+        nbytes -= takes[-1]
+    return takes
 
 
 def _subset_with_sum(allocations: list[Allocation], total: int) -> list[Allocation] | None:
@@ -382,19 +388,17 @@ def _drain_worker_bytes(nbytes: int, t_ns: int,
     rest. False (nothing changed) when they hold fewer."""
     workers = sorted((start, ptr) for ptr, (start, _, scopes) in open_allocs.items()
                      if scopes == (WORKER_SCOPE,))
-    if sum(open_allocs[ptr][1] for _, ptr in workers) < nbytes:
+    sizes = [open_allocs[ptr][1] for _, ptr in workers]
+    if sum(sizes) < nbytes:
         return False
-    for start, ptr in workers:
-        _, size, scopes = open_allocs[ptr]
-        taken = min(size, nbytes)
-        done.append((start, ptr, taken, t_ns, scopes))
+    for (start, ptr), size, taken in zip(workers, sizes, _oldest_first_takes(sizes, nbytes)):
+        if not taken:
+            break
+        done.append((start, ptr, taken, t_ns, (WORKER_SCOPE,)))
         if taken == size:
             del open_allocs[ptr]
         else:
-            open_allocs[ptr] = (start, size - taken, scopes)
-        nbytes -= taken
-        if nbytes == 0:
-            return True
+            open_allocs[ptr] = (start, size - taken, (WORKER_SCOPE,))
     return True
 
 
