@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from fsdp import post_forward
 from fsdp.fp8 import BlockwiseFP8, GroupQuantizer, quantized_units, refuse_tensor_parallel
+from fsdp.param_group import BACKWARD_PREFETCH_STARTS
 from fsdp.policies import UnitPolicy
 from fsdp.sharding import build_group, collect_params, managed_modules, resolve_units, signature
 from fsdp.state import FSDPState, get_state
@@ -414,7 +415,7 @@ class FSDPModule:
         Raises:
             ValueError: ``when`` is neither.
         """
-        if when not in ("half_gradients", "pre_backward"):
+        if when not in BACKWARD_PREFETCH_STARTS:
             raise ValueError(f"set_backward_prefetch_start: when must be 'half_gradients' or "
                              f"'pre_backward', got {when!r}")
         for group in self._groups(recurse):

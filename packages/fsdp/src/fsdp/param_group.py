@@ -68,6 +68,10 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = enum.auto()
 
 
+BACKWARD_PREFETCH_STARTS = ("half_gradients", "pre_backward")
+"""The values of ``FSDPModule.set_backward_prefetch_start``."""
+
+
 @dataclass
 class GroupConfig:
     """The per-group settings ``FSDPModule``'s setters change at run time."""
@@ -83,7 +87,7 @@ class GroupConfig:
     prefetch: bool = True
     # When the backward prefetch issued from this group's pre-backward starts: at half of its
     # gradients ("half_gradients") or at once, at its first gradient while a reduce-scatter is
-    # in flight ("pre_backward").
+    # in flight ("pre_backward"); one of BACKWARD_PREFETCH_STARTS.
     backward_prefetch_start: str = "half_gradients"
     reduce_in_flight: bool = True
     # FSDP2's all-reduce hook: called with each reduced flat gradient (FSDPModule.set_all_reduce_hook).
@@ -123,10 +127,11 @@ class FSDPParamGroup:
         # reduction in flight there), and whether the .grad views are aimed this backward.
         self.before_grad_memory: Callable[[], None] | None = None
         self._grads_aimed = False
-        self._half_grads = 1
-        # Called once half of the group's gradients were computed in a backward (the module
-        # state starts the waiting backward prefetch there), and the count so far.
-        self.half_grads_computed: Callable[[], None] | None = None
+        # Called once the group's backward reached its prefetch point (half of its gradients
+        # computed, or the first with backward_prefetch_start="pre_backward"): the module
+        # state starts the waiting backward prefetch there. The point, and the count so far.
+        self.prefetch_point_reached: Callable[[], None] | None = None
+        self._prefetch_point = 1
         self._grads_computed = 0
         # Parameters whose gradients wait in the buffers' partial HSDP sums (all_reduce off).
         self._partial_grads: set[str] = set()
@@ -350,7 +355,7 @@ class FSDPParamGroup:
         """A gradient of one of the group's parameters was computed (before autograd
         accumulates it): the first aims the ``.grad`` views (:meth:`aim_grads`); when half of
         the group's trainable parameters have had one (after the first, with
-        ``backward_prefetch_start="pre_backward"``), :attr:`half_grads_computed` runs.
+        ``backward_prefetch_start="pre_backward"``), :attr:`prefetch_point_reached` runs.
 
         Why half: the backward prefetch of the next group waits until then (see
         :meth:`fsdp.state.StepContext.prefetch_for_backward`). At a group's first gradient its
@@ -359,8 +364,8 @@ class FSDPParamGroup:
         which still has the second half of the backward to arrive."""
         self.aim_grads()
         self._grads_computed += 1
-        if self._grads_computed == self._half_grads and self.half_grads_computed is not None:
-            self.half_grads_computed()
+        if self._grads_computed == self._prefetch_point and self.prefetch_point_reached is not None:
+            self.prefetch_point_reached()
 
     def aim_grads(self) -> None:
         """Called when the first gradient of one of the group's parameters is computed,
@@ -380,7 +385,7 @@ class FSDPParamGroup:
                 p.aim_grad()
                 aimed += 1
         pre_backward = self.config.backward_prefetch_start == "pre_backward"
-        self._half_grads = 1 if pre_backward else (aimed + 1) // 2
+        self._prefetch_point = 1 if pre_backward else (aimed + 1) // 2
 
     def post_backward(self) -> bool:
         """The group's gradients are complete: reduce-scatter them (asynchronously, finished

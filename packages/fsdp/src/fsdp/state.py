@@ -146,7 +146,7 @@ class FSDPState:
         self.group = group
         if group is not None:
             group.before_grad_memory = lambda: self.ctx.finish_reductions()
-            group.half_grads_computed = lambda: self.ctx.issue_prefetches()
+            group.prefetch_point_reached = lambda: self.ctx.issue_prefetches()
         self.mp_policy = mp_policy
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.is_root: bool | None = None
