@@ -26,6 +26,7 @@ from block_optim import AdamW8bit
 from block_optim.alignment import tp_local_cuts
 from ragged_dtensor import RaggedShard
 from tests.harness import device_mesh
+from tests.tp_reference import tp_local_pieces
 
 STEPS = 5
 MIN_8BIT = 256
@@ -41,13 +42,6 @@ CASES: list[tuple[str, tuple[int, ...], Placement, tuple[int, ...], bool]] = [
     ("small", (10, 20), Shard(0), (2, 3), False),              # 100 TP-local: fp32 moments
     ("small_tp_local", (20, 20), Shard(0), (1, 1), False),     # 400 global, 200 TP-local: fp32
 ]
-
-
-def _pieces(full: torch.Tensor, tp_placement: Placement) -> list[torch.Tensor]:
-    """The TP-local tensors of ``full``, in TP-rank order (even ``torch.chunk`` cuts)."""
-    if isinstance(tp_placement, Shard):
-        return [c.clone() for c in full.chunk(TP, dim=tp_placement.dim)]
-    return [full.clone()]
 
 
 def _full_tensors(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -89,8 +83,9 @@ def _case(ragged_dim: int) -> dict[str, Any]:
         names.append(name)
         params.append(torch.nn.Parameter(_composed(full, mesh, ragged_dim, tp_placement, units)))
         grads.append([_composed(g, mesh, ragged_dim, tp_placement, units) for g in full_grads])
-        pieces = [torch.nn.Parameter(p) for p in _pieces(full, tp_placement)]
-        piece_grads = [_pieces(g, tp_placement) for g in full_grads]
+        pieces = [torch.nn.Parameter(p.clone()) for p in tp_local_pieces(full, tp_placement, TP)]
+        piece_grads = [[p.clone() for p in tp_local_pieces(g, tp_placement, TP)]
+                       for g in full_grads]
         ref_opt = AdamW8bit(pieces, lr=1e-2, weight_decay=0.1, min_8bit_numel=MIN_8BIT)
         for step_grads in piece_grads:
             for p, g in zip(pieces, step_grads):

@@ -35,6 +35,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from tests.fsdp.models import RunSpec, full, make_optimizer
 from tests.fsdp.tp_models import MODELS, VOCAB, TPRunSpec, batches, build_model, parallelize
+from tests.tp_reference import tp_local_pieces
 
 MIN_8BIT = 256
 """AdamW8bit's fp32 threshold here: the model's TP-local weights (242 to 550 elements) straddle
@@ -48,13 +49,6 @@ GATHERED = "span the tensor-parallel ranks"
 REALIGNED = "split 256-element quantization blocks"
 
 
-def _tp_pieces(t: torch.Tensor, placement: Placement | None, tp: int) -> list[torch.Tensor]:
-    """The TP-local tensors of ``t`` in TP-rank order (``t`` itself unless TP shards it)."""
-    if isinstance(placement, Shard):
-        return [c.contiguous() for c in t.chunk(tp, dim=placement.dim)]
-    return [t]
-
-
 class TPLocalAdamW8bit:
     """AdamW8bit in one process on every TP-local tensor of each parameter, each a tensor of its
     own: what fsdp over TP steps, with none of its machinery (pieces cut with ``torch.chunk``,
@@ -66,15 +60,15 @@ class TPLocalAdamW8bit:
 
         self.named, self.tp_placements, self.tp = named, tp_placements, tp
         self.pieces = {n: [nn.Parameter(c.detach().clone())
-                           for c in _tp_pieces(p, tp_placements.get(n), tp)] for n, p in named}
+                           for c in tp_local_pieces(p, tp_placements.get(n), tp)] for n, p in named}
         self.optimizer = AdamW8bit([(f"{n}.tp{i}", q) for n, qs in self.pieces.items()
                                     for i, q in enumerate(qs)], **kwargs)
 
     @torch.no_grad()
     def step(self) -> None:
         for name, p in self.named:
-            for q, g in zip(self.pieces[name], _tp_pieces(p.grad, self.tp_placements.get(name),
-                                                            self.tp)):
+            grads = tp_local_pieces(p.grad, self.tp_placements.get(name), self.tp)
+            for q, g in zip(self.pieces[name], grads):
                 q.grad = g.clone()
         self.optimizer.step()
         for name, p in self.named:
