@@ -111,7 +111,7 @@ BENCHMARKS: dict[str, list[Job]] = {
         Job("memory", "memory.py", ("--worlds", "2", "4"),
             ("--models", "small", "--dtypes", "fp32", "--worlds", "2", "--steps", "1")),
         Job("hook_overhead", "hook_overhead.py", ("--steps", "10"),
-            ("--blocks", "2", "--linears", "4", "--steps", "2", "--warmup", "1")),
+            ("--blocks", "2", "--linears", "4", "--steps", "2", "--warmup", "1", "--rounds", "1")),
     ],
     "fp8": [Job("fp8_all_gather", "fp8_all_gather.py", ("--iters", "3", "--steps", "2"),
                 ("--world-sizes", "2", "--dim", "256", "--ffn", "704", "--iters", "1",

@@ -115,10 +115,9 @@ EXCLUSIONS: dict[str, Exclusion] = {
 # Root causes of the failures seen on fsdp (not exclusions: each is a difference to close or
 # a documented design choice). The id is printed with the failure and stored in the JSON.
 CAUSE_TEXT: dict[str, str] = {
-    "fsdp2-private": "reads FSDP2's private state or calls torch's private FSDP2 helpers on "
-                     "fsdp's modules (_fsdp_param_group, _is_root, _comm_ctx, "
-                     "_modules_to_run_forward, _get_managed_modules, "
-                     "RegisterPostBackwardFunction)",
+    "fsdp2-private": "reads FSDP2's private state that fsdp has no counterpart of, or calls "
+                     "torch's private FSDP2 helpers on fsdp's modules (_comm_ctx, "
+                     "_get_managed_modules, RegisterPostBackwardFunction)",
     "shard-dim": "shard_placement_fn returning Shard(d > 0) raises ValueError by design (a cut "
                  "along d > 0 is not a run of whole units; unit_policy instead)",
     "earlier-error": "fsdp raises FSDP2's error at fully_shard, where FSDP2 raises it at the "
@@ -137,12 +136,6 @@ CAUSES: dict[str, str] = {
     _MANAGED + "test_managed_modules_nested": "fsdp2-private",
     _MANAGED + "test_managed_modules_nested_fully_shard_and_replicate": "fsdp2-private",
     _MANAGED + "test_managed_states_nested_fully_shard": "fsdp2-private",
-    _LAZY + "test_fully_shard_is_root": "fsdp2-private",
-    _LAZY + "test_fully_shard_module_and_param_fqns": "fsdp2-private",
-    _TRAINING + "TestFullyShardRegisteredParams.test_modules_to_run_forward_empty_for_single_module":
-        "fsdp2-private",
-    _TRAINING + "TestFullyShard1DTrainingCompose.test_partial_group_reshard_toggle":
-        "fsdp2-private",
     _TRAINING + "TestFullyShardShareCommContext.test_share_comm_context": "fsdp2-private",
     _PLACEMENT_FN + "test_init_1d_transformer_shard_dim_neg1": "shard-dim",
     _PLACEMENT_FN + "test_init_1d_transformer_shard_largest_dim": "shard-dim",

@@ -100,3 +100,52 @@ def test_same_training_code_runs_on_fsdp(ranks, world_size: int) -> None:
         assert all(d["parameter"] for n, d in ours["params"].items())
         oracle = {n: d for n, d in theirs[kind].items() if "causal" not in n}
         assert all(d["shard0"] and not d["ragged"] for d in oracle.values()), oracle
+
+
+def private_state_with(fsdp_module: str) -> dict[str, Any]:
+    """What code written against FSDP2's private state reads (its own tests, debugging
+    helpers): root flags, the states' order, group and parameter names, which modules of a
+    list group still have to run forward, and whether a group is unsharded."""
+    api = importlib.import_module(fsdp_module)
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)),
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)),
+        torch.nn.Linear(8, 8))
+    api.fully_shard(model[0][0], mesh=device_mesh(world))
+    api.fully_shard([model[1][0], model[1][1]], mesh=device_mesh(world),
+                    reshard_after_forward=False)
+    api.fully_shard(model, mesh=device_mesh(world))
+    states = {name: api.fully_shard.state(module) for name, module in
+              (("root", model), ("first", model[0][0]), ("list", model[1][0]))}
+    root = states["root"]
+    root._lazy_init()
+
+    def group(state: Any) -> Any:
+        return None if state._fsdp_param_group is None else (
+            state._fsdp_param_group._module_fqn,
+            sorted(p._param_fqn for p in state._fsdp_param_group.fsdp_params))
+
+    names = {id(s): n for n, s in states.items()}
+    seen: dict[str, Any] = {
+        "is_root": {n: s._is_root for n, s in states.items()},
+        "all_states": [names.get(id(s)) for s in root._state_ctx.all_states],
+        "groups": {n: group(s) for n, s in states.items()},
+        "to_run_before": {n: len(s._modules_to_run_forward) for n, s in states.items()}}
+    model(torch.randn(2, 8)).sum().backward()
+    seen["to_run_after"] = {n: len(s._modules_to_run_forward) for n, s in states.items()}
+    model[1][0](torch.randn(2, 8))  # one module of the list group runs alone
+    seen["to_run_partial"] = len(states["list"]._modules_to_run_forward)
+    seen["unsharded"] = {n: s._fsdp_param_group.is_unsharded for n, s in states.items()}
+    return seen
+
+
+def test_fsdp2_private_state_names_read_as_on_fsdp2(ranks) -> None:
+    theirs = ranks.run(2, private_state_with, "torch.distributed.fsdp")[0]
+    ours = ranks.run(2, private_state_with, "fsdp")[0]
+    assert theirs["is_root"] == {"root": True, "first": False, "list": False}
+    assert theirs["groups"]["list"] == ("1.0, 1.1", ["1.0.bias", "1.0.weight", "1.1.bias",
+                                                     "1.1.weight"])
+    assert theirs["to_run_partial"] == 1
+    assert ours == theirs

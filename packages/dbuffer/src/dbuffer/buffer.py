@@ -34,7 +34,6 @@ from layout_planner import Plan, PlanEntry
 from ragged_dtensor import RaggedShard, collective_guard, from_local_run, from_local_run_like
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-from torch.profiler import record_function
 
 from dbuffer import kernels
 from dbuffer.collectives import (
@@ -49,6 +48,8 @@ from dbuffer.collectives import (
 )
 from dbuffer.errors import FreedBufferError, check_consistent, check_dtype, check_gradient_dtype
 from dbuffer.flat import FlatBuffer
+from dbuffer.freed import metadata_access
+from dbuffer.scopes import scope
 from dbuffer.topology import Topology
 
 ReduceOp = Literal["avg", "sum"]
@@ -147,11 +148,16 @@ class DBuffer:
             requires_grad = ()
         wanted = set(self._entries if requires_grad is None else requires_grad)
         self.trainable: tuple[str, ...] = tuple(n for n in self._entries if n in wanted)
+        self._trainable_set = frozenset(self.trainable)
         error = names_error or self._local_error(requires_grad) or input_error
         check_consistent(error, self._fingerprint(), self.topology.groups)
 
         self.rank = self.topology.shard_rank
         self.world_size = plan.world_size
+        # (offset in the sharded buffer, numel) of this rank's run of each tensor: asked per
+        # tensor per step (views, sharded gradients), fixed by the plan and the rank.
+        self._local_slices: dict[str, tuple[int, int]] = {}
+        self._sharded_split_plan: tuple[list[int], dict[str, int]] | None = None
         S = plan.shard_size
         self._sharded = FlatBuffer(S, dtype, self.device, "sharded parameter buffer",
                                    allocated=True)
@@ -297,13 +303,19 @@ class DBuffer:
         return tuple(entry.shape) if entry.shape is not None else (entry.numel,)
 
     def _local_slice(self, name: str) -> tuple[int, int]:
+        cached = self._local_slices.get(name)
+        if cached is not None:
+            return cached
         entry = self._entry(name)
         start, end = self.plan.local_range(name, self.rank)
-        if start == end:
-            return 0, 0
-        return entry.offset + start - self.rank * self.shard_size, end - start
+        local = (0, 0) if start == end else (
+            entry.offset + start - self.rank * self.shard_size, end - start)
+        self._local_slices[name] = local
+        return local
 
     def _check_trainable(self, name: str) -> None:
+        if name in self._trainable_set:
+            return
         self._entry(name)
         if name not in self.trainable:
             raise ValueError(f"tensor {name!r} is frozen (not in requires_grad): it has no "
@@ -366,6 +378,9 @@ class DBuffer:
         Returns:
             The DTensor (``(Replicate(), RaggedShard)`` on an HSDP mesh); cached per name.
         """
+        dtensor = self._dtensors.get(("param", name))
+        if dtensor is not None:
+            return dtensor
         return self._dtensor("param", name, self._sharded, self.local_view(name))
 
     # ------------------------------------------------------------------ unsharded params
@@ -406,7 +421,7 @@ class DBuffer:
         self._unsharded.allocate(self._new(comm, self.world_size * S, self.compute_dtype,
                                            self._unsharded.what))
         keep_version = torch.autograd._unsafe_preserve_version_counter(self._unsharded.tensor)
-        with record_function("dbuffer::all_gather"), self._unsharded.writing() as out:
+        with scope("dbuffer::all_gather"), self._unsharded.writing() as out:
             if piece is not None:
                 shard = piece.tensor
             elif self.compute_dtype == self.dtype:
@@ -690,14 +705,17 @@ class DBuffer:
         parameter's ``.grad`` is its gradient (a replacement by autograd under
         ``create_graph=True`` or an assignment), so it overwrites the view, and ``.grad``
         points at the view again. Local: every rank folds its own, no collective."""
-        for name in self.trainable:
-            param = self._views.get(("unsharded", name))
-            grad = None if param is None else param.grad
-            if grad is None or self.grad_is_view(name, grad):
-                continue
-            ref, version = self._folded.get(name, (None, -1))
-            if ref is not None and ref() is grad and grad._version == version:
-                continue
+        replaced = []
+        with metadata_access():
+            for name in self.trainable:
+                param = self._views.get(("unsharded", name))
+                grad = None if param is None else param.grad
+                if grad is None or self.grad_is_view(name, grad):
+                    continue
+                ref, version = self._folded.get(name, (None, -1))
+                if ref is None or ref() is not grad or grad._version != version:
+                    replaced.append((name, param, grad))
+        for name, param, grad in replaced:
             self.fold_grad(name, grad, includes_view=True)
             param.grad = self.grad_view(name)
 
@@ -754,7 +772,7 @@ class DBuffer:
         if op not in ("avg", "sum"):
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
         self._check_on_device("reduce_scatter")
-        with record_function("dbuffer::reduce_scatter"):
+        with scope("dbuffer::reduce_scatter"):
             return self._reduce_scatter(op, async_op, predivide, free_grad, reduce_hook,
                                         all_reduce)
 
@@ -807,7 +825,7 @@ class DBuffer:
                                    consume=consume)
 
         def finish() -> None:
-            with record_function("dbuffer::reduce_scatter_finish"):
+            with scope("dbuffer::reduce_scatter_finish"):
                 if partial_only:
                     if self._partial_reduce is None:
                         self._partial_reduce = out
@@ -861,12 +879,36 @@ class DBuffer:
             FreedBufferError: before the first :meth:`reduce_scatter` or after
                 :meth:`free_sharded_grad`.
         """
+        view = self._sharded_grad_views.get(name)
+        if view is not None:
+            return view
         self._check_trainable(name)
-        sharded_grad = self._require_sharded_grad(f"sharded_grad_view({name!r})")
-        if name not in self._sharded_grad_views:
-            offset, numel = self._local_slice(name)
-            self._sharded_grad_views[name] = sharded_grad.narrow(0, offset, numel)
+        if self._sharded_grad is None:
+            self._require_sharded_grad(f"sharded_grad_view({name!r})")
+        # Every trainable tensor's view at once: one split costs a quarter of a narrow per
+        # view, and a reduction's gradients are asked for tensor by tensor right after it.
+        sizes, index = self._sharded_split()
+        pieces = self._sharded_grad.split_with_sizes(sizes)
+        self._sharded_grad_views.update((n, pieces[i]) for n, i in index.items())
         return self._sharded_grad_views[name]
+
+    def _sharded_split(self) -> tuple[list[int], dict[str, int]]:
+        """The sizes that split a sharded buffer into this rank's runs of the trainable
+        tensors and the gaps between them, and each tensor's piece index (cached)."""
+        if self._sharded_split_plan is None:
+            sizes: list[int] = []
+            index: dict[str, int] = {}
+            position = 0
+            for (offset, numel), name in sorted((self._local_slice(n), n) for n in self.trainable):
+                if offset > position:
+                    sizes.append(offset - position)
+                index[name] = len(sizes)
+                sizes.append(numel)
+                position = max(position, offset + numel)
+            if position < self.shard_size:
+                sizes.append(self.shard_size - position)
+            self._sharded_split_plan = (sizes, index)
+        return self._sharded_split_plan
 
     def sharded_grad(self, name: str) -> DTensor:
         """Tensor ``name``'s reduced gradient as a RaggedShard DTensor over
@@ -943,10 +985,11 @@ class DBuffer:
     def _release_grad(self) -> None:
         if self._grad is None:
             return
-        for name in self.trainable:
-            param = self._views.get(("unsharded", name))
-            if param is not None and self.grad_is_view(name, param.grad):
-                param.grad = None
+        with metadata_access():
+            for name in self.trainable:
+                param = self._views.get(("unsharded", name))
+                if param is not None and self.grad_is_view(name, param.grad):
+                    param.grad = None
         self._grad.free()
 
     def free_sharded_grad(self) -> None:

@@ -35,10 +35,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from ragged_dtensor import collective_guard
-from torch.profiler import record_function
 
 from dbuffer import gloo_collectives
 from dbuffer.errors import BYTE_DTYPES
+from dbuffer.scopes import scope
 
 
 class CollectiveHandle:
@@ -67,7 +67,7 @@ class CollectiveHandle:
             # refilling them with the same values must not invalidate the saved tensors, so
             # the version taken before the collective was issued is restored.
             keep = self._keep_version if self._keep_version is not None else nullcontext()
-            with record_function("comm:wait"), self._guard, keep:
+            with scope("comm:wait"), self._guard, keep:
                 self._work.wait()
         if self._then is not None:
             self._then()
@@ -169,7 +169,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
     if comm is None and _is_single(group):
         _local_copy(output, shard)
         return None
-    with record_function("comm:all_gather"), collective_guard("all_gather", group):
+    with scope("comm:all_gather"), collective_guard("all_gather", group):
         if comm is not None:
             return comm(output_tensor=_wire(output), input_tensor=_wire(shard), group=group,
                         async_op=async_op)
@@ -193,7 +193,7 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: dist.Pr
     if _is_single(group):
         _local_copy(output, full)
         return None
-    with record_function("comm:reduce_scatter"), collective_guard("reduce_scatter", group):
+    with scope("comm:reduce_scatter"), collective_guard("reduce_scatter", group):
         if comm is not None:
             return comm(output_tensor=output, input_tensor=full, group=group,
                         op=dist.ReduceOp.SUM, async_op=async_op)
@@ -208,5 +208,5 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     a one-rank group."""
     if _is_single(group):
         return
-    with record_function("comm:all_reduce"), collective_guard("all_reduce", group):
+    with scope("comm:all_reduce"), collective_guard("all_reduce", group):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)

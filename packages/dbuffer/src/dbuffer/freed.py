@@ -32,6 +32,7 @@ whose saved tensor is freed, ``torch.tensor(view)``).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -168,6 +169,18 @@ def release_in_place(tensors: list[torch.Tensor], message: str) -> None:
             fence(local, message)
     for storage in storages.values():
         storage.resize_(0)
+
+
+def metadata_access() -> AbstractContextManager[object]:
+    """A context in which handed-out tensors' metadata (``.grad`` read or cleared, storage
+    identity, version) is read without the fence's torch-function round trip.
+
+    The fence lets metadata through anyway; per-step loops over every tensor of a buffer
+    (DBuffer's and fsdp's ``.grad`` bookkeeping) would otherwise pay the round trip once per
+    tensor. Inside it a fenced tensor is not guarded, so it must only touch metadata: data
+    uses (a copy, an add) go outside it.
+    """
+    return torch._C.DisableTorchFunctionSubclass()
 
 
 def is_released(tensor: object) -> bool:

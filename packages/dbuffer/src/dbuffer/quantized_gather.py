@@ -28,13 +28,13 @@ from dataclasses import dataclass
 
 import torch
 from ragged_dtensor import collective_guard
-from torch.profiler import record_function
 
 from dbuffer import kernels
 from dbuffer.blockwise_fp8 import BlockwiseFormat, tile_unit
 from dbuffer.buffer import DBuffer
 from dbuffer.collectives import CollectiveHandle, all_gather_into, allocate
 from dbuffer.kernels.fp8 import TileRun, TileTable, dequantize_tiles, quantize_tiles
+from dbuffer.scopes import scope
 
 _SEGMENT_ALIGN = 16
 
@@ -227,7 +227,7 @@ class QuantizedGather:
         """
         buffer = self.buffer
         group = buffer.topology.shard_group
-        with record_function("dbuffer::fp8_all_gather"):
+        with scope("dbuffer::fp8_all_gather"):
             segment = self.local_segment()
             comm = buffer._all_gather_comm
             gathered = allocate(comm, self.wire_bytes, torch.uint8, buffer.device,
@@ -238,7 +238,7 @@ class QuantizedGather:
 
         def finish() -> None:
             dtype = buffer.compute_dtype
-            with record_function("dbuffer::fp8_all_gather_finish"), unsharded.writing() as out:
+            with scope("dbuffer::fp8_all_gather_finish"), unsharded.writing() as out:
                 dequantize_tiles(gathered, out, self._dequantize_table, self.fmt)
                 for run in self._plain:
                     piece = gathered.narrow(0, run.byte_offset, run.numel * dtype.itemsize)

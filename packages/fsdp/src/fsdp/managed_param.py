@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from dbuffer import DBuffer, is_released
+from dbuffer.freed import metadata_access
 from torch.distributed.tensor import DTensor
 
 from fsdp.buffers import sharded_parameter
@@ -44,6 +45,8 @@ class ManagedParam:
             gives a sharded ``.grad`` only to parameters that got one).
         on_grad: the group's :meth:`~fsdp.param_group.FSDPParamGroup.grad_computed`,
             called when a gradient of this parameter is computed, before it is accumulated.
+        _param_fqn: its path from the root module, set at the root's lazy init (FSDP2's
+            name for it).
     """
 
     name: str
@@ -53,6 +56,7 @@ class ManagedParam:
     unsharded: nn.Parameter | None = None
     got_grad: bool = False
     on_grad: Callable[[], None] | None = None
+    _param_fqn: str | None = None
 
     @property
     def trainable(self) -> bool:
@@ -179,7 +183,8 @@ class ManagedParam:
         """Drop ``.grad`` (the buffer's memory is about to be freed); after a reduction also
         forget that a gradient arrived."""
         if self.unsharded is not None:
-            self.unsharded.grad = None
+            with metadata_access():  # the unsharded parameter is usually fenced (resharded)
+                self.unsharded.grad = None
         if reduced:
             self.got_grad = False
 

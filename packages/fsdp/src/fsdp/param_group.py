@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from dbuffer import AllGatherComm, CollectiveHandle, DBuffer, ReduceScatterComm, kernels
+from dbuffer.scopes import scope
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.profiler import record_function
 
 from fsdp.buffers import make_buffer
 from fsdp.fp8 import GroupQuantizer
@@ -115,6 +115,8 @@ class FSDPParamGroup:
         self.mp_policy = mp_policy
         self.buffers = buffers
         self.label = label
+        # The modules' path from the root, set at the root's lazy init (FSDP2's name).
+        self._module_fqn: str | None = None
         self.config = GroupConfig()
         self.training_state = TrainingState.IDLE
         self.is_unsharded = False
@@ -228,7 +230,7 @@ class FSDPParamGroup:
             self._check_initialised()
         if not self.config.unshard_in_backward and self.training_state == TrainingState.PRE_BACKWARD:
             return
-        with record_function(f"FSDP::all_gather ({self.label})"):
+        with scope(f"FSDP::all_gather ({self.label})"):
             self._gathered_versions = self._sharded_versions()
             if self.quantizer is not None and not self.holds_pieces:
                 self._gathers = [self.quantizer.all_gather(b) for b in self.buffers]
@@ -245,7 +247,7 @@ class FSDPParamGroup:
         """Finish the all-gather and register the unsharded parameters."""
         if self._gathers is None:
             return
-        with record_function(f"FSDP::wait_for_unshard ({self.label})"):
+        with scope(f"FSDP::wait_for_unshard ({self.label})"):
             for handle in self._gathers:
                 handle.wait()
             self._gathers = None
@@ -418,7 +420,7 @@ class FSDPParamGroup:
         if self.config.reshard_after_backward:
             self.reshard()
         handles: list[CollectiveHandle] = []
-        with record_function(f"FSDP::post_backward_reduce ({self.label})"):
+        with scope(f"FSDP::post_backward_reduce ({self.label})"):
             for buffer in self.trainable_buffers:
                 op = "avg"
                 if self.config.gradient_divide_factor is not None:
@@ -443,6 +445,11 @@ class FSDPParamGroup:
                     p.release_grad(reduced=False)
                 buffer.stash_grad()
 
+    @property
+    def fsdp_params(self) -> list[ManagedParam]:
+        """The managed parameters under FSDP2's name for them."""
+        return self.params
+
     def _params_of(self, buffer: DBuffer) -> Iterator[ManagedParam]:
         return (p for p in self.params if p.buffer is buffer)
 
@@ -460,7 +467,7 @@ class FSDPParamGroup:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        with record_function(f"FSDP::post_backward_wait ({self.label})"):
+        with scope(f"FSDP::post_backward_wait ({self.label})"):
             for handle in pending:
                 handle.wait()
         reduce_unused = self.config.reduce_scatter_unused_params

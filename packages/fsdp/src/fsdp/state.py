@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from dbuffer.scopes import scope
 from torch.autograd import Variable
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.utils import _apply_to_tensors
@@ -111,12 +112,12 @@ class StepContext:
         forward order used for prefetching is kept unless this was the step's last backward
         (``set_is_last_backward``)."""
         last = self.is_last_backward
-        with torch.profiler.record_function("FSDP::root_post_backward_callback"):
+        with scope("FSDP::root_post_backward_callback"):
             for state in reversed(self.all_states):
                 for group in state.groups:
                     self.post_backward(group, last=last)
                 state.training_state = TrainingState.IDLE
-                state._modules_to_run.clear()
+                state._modules_to_run_forward.clear()
             self.finish_reduces()
             if last:
                 self.post_forward_order.clear()
@@ -154,7 +155,7 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         self.states_to_forward_prefetch: list[FSDPState] | None = None
         self.states_to_backward_prefetch: list[FSDPState] | None = None
-        self._modules_to_run: set[nn.Module] = set()
+        self._modules_to_run_forward: set[nn.Module] = set()
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
             module.register_forward_pre_hook(self._module_pre_forward, prepend=True,
@@ -165,6 +166,20 @@ class FSDPState:
     def groups(self) -> list[FSDPParamGroup]:
         """The state's parameter group as a list (empty without parameters)."""
         return [] if self.group is None else [self.group]
+
+    # FSDP2's private names for the same facts: code written against FSDP2's state (its own
+    # tests, debugging helpers) reads them. ``_modules_to_run_forward`` is the attribute itself.
+    @property
+    def _is_root(self) -> bool | None:
+        return self.is_root
+
+    @property
+    def _state_ctx(self) -> StepContext:
+        return self.ctx
+
+    @property
+    def _fsdp_param_group(self) -> FSDPParamGroup | None:
+        return self.group
 
     # --------------------------------------------------------------------- lazy root init
     def _lazy_init(self) -> None:
@@ -189,9 +204,28 @@ class FSDPState:
                 state.is_root = False
                 state.ctx = ctx
             ctx.all_states.append(state)
+        self._init_fqns()
         if self.auto_reshard_after_forward and self.group is not None:
             self.group.config.reshard_after_forward = False
         self._check_no_meta_params()
+
+    def _init_fqns(self) -> None:
+        """Name every group and parameter by its path from the root (for labels and for
+        code that reads FSDP2's ``_module_fqn`` / ``_param_fqn``): a group of several modules
+        gets their names joined by ``", "``, as in FSDP2."""
+        root = self.modules[0]
+        by_param = {id(p.sharded): p for state in self.ctx.all_states for g in state.groups
+                    for p in g.params}
+        for name, param in root.named_parameters():
+            if id(param) in by_param:
+                by_param[id(param)]._param_fqn = name
+        group_of = {module: state.group for state in self.ctx.all_states
+                    if state.group is not None for module in state.modules}
+        for name, module in root.named_modules():
+            group = group_of.get(module)
+            if group is not None:
+                group._module_fqn = name if group._module_fqn is None else (
+                    f"{group._module_fqn}, {name}")
 
     def _check_no_meta_params(self) -> None:
         """FSDP2's check and words: the first group (root first, then in module order) with
@@ -221,17 +255,17 @@ class FSDPState:
     @torch.compiler.disable
     def _module_pre_forward(self, module: nn.Module, args: tuple[Any, ...],
                             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if len(self.modules) > 1 and not self._modules_to_run:
-            self._modules_to_run.update(self.modules)
+        if len(self.modules) > 1 and not self._modules_to_run_forward:
+            self._modules_to_run_forward.update(self.modules)
         return self.pre_forward(args, kwargs)
 
     @torch.compiler.disable
     def _module_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if len(self.modules) > 1:
-            if module not in self._modules_to_run:
+            if module not in self._modules_to_run_forward:
                 return self._cast_output(output)
-            self._modules_to_run.discard(module)
-            if self._modules_to_run:
+            self._modules_to_run_forward.discard(module)
+            if self._modules_to_run_forward:
                 return self._cast_output(output)
         return self.post_forward(output)
 
@@ -297,8 +331,8 @@ class FSDPState:
         and reshard groups that were prefetched but never ran."""
         ctx = self.ctx
         for state in reversed(ctx.all_states):
-            if state is not self and state._modules_to_run:
-                state._modules_to_run.clear()
+            if state is not self and state._modules_to_run_forward:
+                state._modules_to_run_forward.clear()
                 output = state.post_forward(output)
         no_backward = not torch.is_grad_enabled()
         for state in ctx.all_states:
@@ -377,7 +411,7 @@ class FSDPState:
         ctx.prefetching.clear()
         for state in ctx.all_states or [self]:
             state.training_state = TrainingState.IDLE
-            state._modules_to_run.clear()
+            state._modules_to_run_forward.clear()
             for group in state.groups:
                 group.reset_iter_state()
         ctx.post_forward_order.clear()

@@ -24,10 +24,10 @@ from types import ModuleType
 from typing import Any, Literal
 
 import torch
-from torch.profiler import record_function
 
 from dbuffer.errors import check_dtype
 from dbuffer.kernels import torch_ops
+from dbuffer.scopes import scope
 
 Backend = Literal["auto", "torch", "triton"]
 
@@ -112,7 +112,7 @@ def zero_(dst: torch.Tensor, *, backend: Backend = "auto") -> None:
         backend: ``"auto"`` (Triton on CUDA, torch otherwise), ``"torch"`` or ``"triton"``.
     """
     flat = _flat(dst, "dst")
-    with record_function("dbuffer::zero_"):
+    with scope("dbuffer::zero_"):
         if _use_triton(backend, flat):
             _launch(_triton().zero_kernel, flat.numel(), flat)
         else:
@@ -128,7 +128,7 @@ def scale_(dst: torch.Tensor, alpha: float, *, backend: Backend = "auto") -> Non
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
     """
     flat = _flat(dst, "dst")
-    with record_function("dbuffer::scale_"):
+    with scope("dbuffer::scale_"):
         if _use_triton(backend, flat):
             _launch(_triton().scale_kernel, flat.numel(), flat, float(alpha))
         else:
@@ -150,7 +150,7 @@ def copy_cast_(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0, *,
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
     """
     dst, src = _pair(dst, src)
-    with record_function("dbuffer::copy_cast_"):
+    with scope("dbuffer::copy_cast_"):
         if _use_triton(backend, dst, src):
             _launch(_triton().copy_cast_kernel, dst.numel(), dst, src, float(alpha))
         else:
@@ -168,7 +168,7 @@ def add_(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0, *,
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
     """
     dst, src = _pair(dst, src)
-    with record_function("dbuffer::add_"):
+    with scope("dbuffer::add_"):
         if _use_triton(backend, dst, src):
             _launch(_triton().add_kernel, dst.numel(), dst, src, float(alpha))
         else:
@@ -187,7 +187,7 @@ def squared_norm(src: torch.Tensor, *, backend: Backend = "auto") -> torch.Tenso
         A 0-d fp32 tensor (float64 for a float64 ``src``) on ``src``'s device.
     """
     flat = _flat(src, "src")
-    with record_function("dbuffer::squared_norm"):
+    with scope("dbuffer::squared_norm"):
         if not _use_triton(backend, flat):
             return torch_ops.squared_norm(flat)
         block = _block()

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
-from torch.profiler import record_function
 
 from dbuffer.blockwise_fp8 import (
     AMAX_FLOOR,
@@ -30,6 +29,7 @@ from dbuffer.blockwise_fp8 import (
     quantize_blockwise,
 )
 from dbuffer.kernels.dispatch import Backend, _use_triton
+from dbuffer.scopes import scope
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def quantize_tiles(src: torch.Tensor, packed: torch.Tensor, table: TileTable,
         backend: ``"auto"`` (Triton on CUDA), ``"torch"`` or ``"triton"``.
     """
     scales = _scales(packed)
-    with record_function("dbuffer::fp8_quantize"):
+    with scope("dbuffer::fp8_quantize"):
         if _use_triton(backend, src):
             if table.tile_count:
                 _triton().quantize_tiles_kernel[_triton().grid(table.tile_count)](
@@ -169,7 +169,7 @@ def dequantize_tiles(packed: torch.Tensor, out: torch.Tensor, table: TileTable,
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
     """
     scales = _scales(packed)
-    with record_function("dbuffer::fp8_dequantize"):
+    with scope("dbuffer::fp8_dequantize"):
         if _use_triton(backend, out):
             if table.tile_count:
                 bf16 = out.dtype == torch.bfloat16
