@@ -8,8 +8,7 @@ from unittest import mock
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from dbuffer import kernels
-from dbuffer.scopes import scope
+from dbuffer import kernels, scope
 
 
 def test_scope_is_recorded_under_a_profiler() -> None:

@@ -9,7 +9,9 @@ from dbuffer import kernels
 from dbuffer.buffer import DBuffer
 from dbuffer.collectives import AllGatherComm, CollectiveHandle, ReduceScatterComm
 from dbuffer.errors import SUPPORTED_DTYPES, FreedBufferError
-from dbuffer.freed import is_released, release_in_place
+from dbuffer.freed import is_released, metadata_access, release_in_place
+from dbuffer.scopes import scope
 
 __all__ = ["SUPPORTED_DTYPES", "AllGatherComm", "CollectiveHandle", "DBuffer", "FreedBufferError",
-           "ReduceScatterComm", "is_released", "kernels", "release_in_place"]
+           "ReduceScatterComm", "is_released", "kernels", "metadata_access", "release_in_place",
+           "scope"]

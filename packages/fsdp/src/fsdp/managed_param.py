@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from dbuffer import DBuffer, is_released
-from dbuffer.freed import metadata_access
+from dbuffer import DBuffer, is_released, metadata_access
 from torch.distributed.tensor import DTensor
 
 from fsdp.buffers import sharded_parameter

@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dbuffer import AllGatherComm, CollectiveHandle, DBuffer, ReduceScatterComm, kernels
-from dbuffer.scopes import scope
+from dbuffer import AllGatherComm, CollectiveHandle, DBuffer, ReduceScatterComm, kernels, scope
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 

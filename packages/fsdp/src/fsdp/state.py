@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from dbuffer.scopes import scope
+from dbuffer import scope
 from torch.autograd import Variable
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.utils import _apply_to_tensors
@@ -210,9 +210,9 @@ class FSDPState:
         self._check_no_meta_params()
 
     def _init_fqns(self) -> None:
-        """Name every group and parameter by its path from the root (for labels and for
-        code that reads FSDP2's ``_module_fqn`` / ``_param_fqn``): a group of several modules
-        gets their names joined by ``", "``, as in FSDP2."""
+        """Name every group and parameter by its path from the root, for code that reads
+        FSDP2's ``_module_fqn`` / ``_param_fqn``: a group of several modules gets their names
+        joined by ``", "``, and a tied parameter its first name, as in FSDP2."""
         root = self.modules[0]
         by_param = {id(p.sharded): p for state in self.ctx.all_states for g in state.groups
                     for p in g.params}
