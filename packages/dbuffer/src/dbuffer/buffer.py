@@ -631,6 +631,9 @@ class DBuffer:
         Raises:
             ValueError: when ``name`` is frozen.
         """
+        view = self._views.get(("grad", name))
+        if view is not None and self._grad is not None and self._grad.allocated:
+            return view  # every backward aims each parameter's .grad here: the short path
         self._check_trainable(name)
         grad = self._allocated_grad()
         entry = self._entry(name)
