@@ -11,13 +11,11 @@ an already-sharded model alone, the Trainer's reshard loop reshards, torch's
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,

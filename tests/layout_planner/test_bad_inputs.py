@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
-from layout_planner import Cluster, Link, Plan, PlanEntry, TensorSpec, assign_owners, plan, plan_buckets, predict_step
+from layout_planner import Cluster, Link, Plan, TensorSpec, assign_owners, plan, plan_buckets, predict_step
 from layout_planner.cli import main
 
 A = TensorSpec("a", 8, 1)
