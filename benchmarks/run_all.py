@@ -94,7 +94,7 @@ BENCHMARKS: dict[str, list[Job]] = {
             ("--rows", "64", "--cols", "64", "--iters", "2"),
             out_flag=None, fixed_out="ragged_redistribute.json"),
         Job("ragged_handlers", "ragged_handlers.py", ("--rounds", "5", "--iters", "100"),
-            ("--rounds", "1", "--iters", "10")),
+            ("--pairs", "1", "--rounds", "1", "--iters", "10")),
     ],
     "dbuffer": [Job("dbuffer", "dbuffer.py", ("--iters", "10", "--warmup", "2"),
                     ("--dim", "128", "--hidden", "384", "--iters", "2", "--warmup", "1"))],
@@ -228,7 +228,11 @@ def ratios(results: dict[str, Any], padding: dict[str, Any] | None) -> dict[str,
     if "ragged_handlers" in results:
         rows = results["ragged_handlers"]["rows"]
         out["ragged_handlers"] = {"median_with_over_without": statistics.median(r["ratio"] for r in rows),
-                                  "per_op": {f"{r['op']} {r['placement']}": r["ratio"] for r in rows}}
+                                  "per_op": {f"{r['op']} {r['placement']}": r["ratio"] for r in rows},
+                                  "wrapper_bound": max(
+                                      (w["bound_ratio"] for w in
+                                       results["ragged_handlers"].get("wrapper_work", [])),
+                                      default=None)}
     if "memory" in results:
         out["memory"] = {key: {"ratios": entry["ratios_fsdp_over_fsdp2"],
                                "fsdp_bytes": {p: entry["fsdp"][p]["bytes"] for p in MEMORY_PHASES},

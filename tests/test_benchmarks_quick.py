@@ -45,7 +45,8 @@ def _results() -> dict[str, object]:
     results["ragged_redistribute"] = {"rows": [{"ragged": "RaggedShard -> Replicate",
                                                 "torch": "Shard(0) -> Replicate", "ratio": 1.1}]}
     results["ragged_handlers"] = {"rows": [{"op": "add", "placement": "Shard(0)", "ratio": r}
-                                           for r in (1.0, 1.2, 1.4)]}
+                                           for r in (1.0, 1.2, 1.4)],
+                                  "wrapper_work": [{"bound_ratio": b} for b in (1.01, 1.03)]}
     return results
 
 
@@ -67,6 +68,7 @@ def test_ratios_and_page(tmp_path: Path) -> None:
         "dbuffer": 0, "fsdp2": 10 << 20, "ratio": 0.0}
     assert ratios["muon_step_time"]["ours_over_fsdp2_torch_muon"] == 0.25
     assert ratios["ragged_handlers"]["median_with_over_without"] == 1.2
+    assert ratios["ragged_handlers"]["wrapper_bound"] == 1.03
     # FSDP2's whole-model padding recomputed by hand: every tensor's dim 0 up to the world size
     from layout_planner.catalog import get_model
     from layout_planner.units import parse_unit
