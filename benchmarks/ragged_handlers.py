@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from gloo_ranks import _free_port
+from torch.distributed.tensor import DTensor, Replicate
 
 RESULT = Path(__file__).parent / "results" / "ragged_handlers.json"
 
@@ -66,6 +67,9 @@ OPS: dict[str, Op] = {
     "conv2d": lambda x, e: torch.nn.functional.conv2d(e["image"], e["kernel"]),
     "amp unscale": lambda x, e: torch._amp_foreach_non_finite_check_and_unscale_(
         [x], e["found_inf"], e["inv_scale"]),
+    "from_local": lambda x, e: DTensor.from_local(x._local_tensor, x.device_mesh, x.placements,
+                                                  run_check=False),
+    "redistribute to Replicate": lambda x, e: x.redistribute(x.device_mesh, [Replicate()]),
     "_fused_adamw_": lambda x, e: torch._fused_adamw_(
         [x], [e["grad"]], [e["m"]], [e["v"]], [], [e["step"]], lr=1e-3, beta1=0.9,
         beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False),
@@ -93,8 +97,6 @@ def _wrapper_work(x: torch.Tensor, extra: dict[str, object],
                   iters: int) -> dict[str, tuple[float, float]]:
     """Per wrapped op: microseconds per call of the wrapper's own work (what it does before
     handing the call to torch's handler) and of torch's handler itself."""
-    from torch.distributed.tensor import DTensor
-
     table = DTensor._op_dispatcher._custom_op_handlers
     out = {}
     for name, make_args in WRAPPED_CALLS.items():
@@ -127,7 +129,7 @@ def _worker(with_ragged: bool, port: int, conn: Connection, core: int) -> None:
     until told to stop."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     if with_ragged:
         import ragged_dtensor
