@@ -165,7 +165,13 @@ def ragged_mesh_dims(placements: Sequence[Placement]) -> tuple[int, ...]:
     Returns:
         The mesh dims, in order (the package supports at most one).
     """
-    return tuple(i for i, p in enumerate(placements) if isinstance(p, RaggedShard))
+    # Type identity in a plain loop, as in is_ragged: placements' metaclass makes isinstance a
+    # Python-level check, and this runs on every from_local and redistribute of any DTensor.
+    dims: tuple[int, ...] = ()
+    for i, p in enumerate(placements):
+        if type(p) is RaggedShard:
+            dims += (i,)
+    return dims
 
 
 def find_ragged(placements: Sequence[Placement]) -> tuple[int, RaggedShard] | None:
