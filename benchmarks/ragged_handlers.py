@@ -9,9 +9,9 @@ and the ratio with / without (1.00 = no overhead), and the ratio of the fastest 
 least disturbed by other load). Small tensors, so the dispatch overhead dominates. Timings on
 a shared CPU are noisy: compare ratios, rerun before concluding.
 
-A pair of processes also carries its own bias, the same in every round: a row read 1.40 in
-one pair and 0.72 in the next with no change in between (where each process's tensors and
-caches landed). So the measurement is repeated over ``--pairs`` fresh pairs, both workers
+A pair of processes also carries its own bias, the same in every round: ``view`` on
+``Shard(0)`` read 1.40 in one pair and 0.63 in another with no change in between (where each
+process's tensors and caches landed). So the measurement is repeated over ``--pairs`` fresh pairs, both workers
 pinned to the same core, and each row reports the median over pairs of the pair's ratio.
 
 Below a few percent the ratios cannot tell overhead from noise (the control op ``add``, which
