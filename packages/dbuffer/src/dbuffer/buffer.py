@@ -316,10 +316,8 @@ class DBuffer:
     def _check_trainable(self, name: str) -> None:
         if name in self._trainable_set:
             return
-        self._entry(name)
-        if name not in self.trainable:
-            raise ValueError(f"tensor {name!r} is frozen (not in requires_grad): it has no "
-                             "gradient")
+        self._entry(name)  # an unknown name raises KeyError first
+        raise ValueError(f"tensor {name!r} is frozen (not in requires_grad): it has no gradient")
 
     def _view(self, kind: str, name: str, buffer: FlatBuffer, offset: int, numel: int,
               shape: tuple[int, ...]) -> torch.Tensor:
@@ -907,7 +905,7 @@ class DBuffer:
                     sizes.append(offset - position)
                 index[name] = len(sizes)
                 sizes.append(numel)
-                position = max(position, offset + numel)
+                position = offset + numel
             if position < self.shard_size:
                 sizes.append(self.shard_size - position)
             self._sharded_split_plan = (sizes, index)

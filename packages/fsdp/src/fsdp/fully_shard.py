@@ -416,8 +416,8 @@ class FSDPModule:
             ValueError: ``when`` is neither.
         """
         if when not in BACKWARD_PREFETCH_STARTS:
-            raise ValueError(f"set_backward_prefetch_start: when must be 'half_gradients' or "
-                             f"'pre_backward', got {when!r}")
+            allowed = " or ".join(repr(start) for start in BACKWARD_PREFETCH_STARTS)
+            raise ValueError(f"set_backward_prefetch_start: when must be {allowed}, got {when!r}")
         for group in self._groups(recurse):
             group.config.backward_prefetch_start = when
 
