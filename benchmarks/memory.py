@@ -481,14 +481,14 @@ def run_config(model: str, dtype: str, world: int, steps: int, with_breakdown: b
 
 
 def _print_config(key: str, entry: dict[str, Any]) -> None:
-    systems = [s for s in SYSTEMS if s in entry]
+    systems = [s for s in (*SYSTEMS, *VARIANTS) if s in entry]
     print(f"\n== {key}")
     for variant in VARIANTS:
         if f"ratios_{variant}_over_fsdp2" in entry:
             ratios = entry[f"ratios_{variant}_over_fsdp2"]
             print(f"{variant}/FSDP2: " + ", ".join(f"{p} {r:.2f}" for p, r in ratios.items()))
     print(f"{'phase':10s}" + "".join(f"{s + ' MB':>12s}" for s in systems)
-          + ("   fsdp/FSDP2" if len(systems) == 2 else ""))
+          + ("   fsdp/FSDP2" if systems == list(SYSTEMS) else ""))
     for phase in (*PHASES, "peak"):
         figs = [entry[s]["peak_bytes" if phase == "peak" else phase] for s in systems]
         figs = [f if isinstance(f, int) else f["bytes"] for f in figs]
@@ -500,10 +500,10 @@ def _print_config(key: str, entry: dict[str, Any]) -> None:
     for phase in PHASES:
         print(f"\n  {phase} peak, MB (largest rank)")
         print(f"  {'category':20s}" + "".join(f"{s:>10s}" for s in systems)
-              + ("  fsdp-FSDP2" if len(systems) == 2 else ""))
+              + ("  fsdp-FSDP2" if systems == list(SYSTEMS) else ""))
         for c in CATEGORIES:
             vals = [entry[s][phase]["breakdown"]["bytes"][c] for s in systems]
-            diff = f"  {(vals[0] - vals[1]) / MB:10.1f}" if len(vals) == 2 else ""
+            diff = f"  {(vals[0] - vals[1]) / MB:10.1f}" if systems == list(SYSTEMS) else ""
             print(f"  {c:20s}" + "".join(f"{v / MB:10.1f}" for v in vals) + diff)
         for s in systems:
             alive = entry[s][phase]["breakdown"]["groups_alive"]

@@ -120,8 +120,6 @@ CAUSE_TEXT: dict[str, str] = {
                      "_get_managed_modules, RegisterPostBackwardFunction)",
     "shard-dim": "shard_placement_fn returning Shard(d > 0) raises ValueError by design (a cut "
                  "along d > 0 is not a run of whole units; unit_policy instead)",
-    "earlier-error": "fsdp raises FSDP2's error at fully_shard, where FSDP2 raises it at the "
-                     "first forward (the test calls fully_shard outside assertRaises)",
 }
 
 _FROZEN = "test_fully_shard_frozen.py::TestFullyShardFrozen."
@@ -145,8 +143,6 @@ CAUSES: dict[str, str] = {
     _TRAINING + "TestFullyShardShardPlacementFnMultiThread."
                 "test_shard_placement_fn_contiguous_params_grads": "shard-dim",
     _STATE_DICT + "TestFullyShardStateDictMultiProcess.test_dp_state_dict_save_load": "shard-dim",
-    _TRAINING + "TestFullyShardSharedParams.test_shared_params_separate_fsdp_groups_error":
-        "earlier-error",
 }
 
 

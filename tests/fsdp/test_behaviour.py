@@ -36,10 +36,18 @@ def _bad_inputs() -> dict[str, str]:
     out = {}
 
     def shared_across_groups() -> None:
+        # FSDP2's timing: the sharding goes through, the root's first forward refuses it,
+        # and so does a retry
         model = build_model()
         model.layers[1].attn.wq.weight = model.layers[0].attn.wq.weight
         fsdp.fully_shard(model.layers[0], mesh=mesh)
         fsdp.fully_shard(model.layers[1], mesh=mesh)
+        fsdp.fully_shard(model, mesh=mesh)
+        tokens = torch.zeros(1, 4, dtype=torch.long)
+        first = _error_of(lambda: model(tokens))
+        if first != _error_of(lambda: model(tokens)):
+            raise AssertionError("a retried forward did not raise the same error")
+        raise ValueError(first)
 
     def top_down() -> None:
         model = build_model()
@@ -119,7 +127,8 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(ranks):
     results = ranks.run(2, _bad_inputs)
     assert results[0] == results[1]  # the same error on every rank
     out = results[0]
-    assert "already managed by another group (the group of Block)" in out["shared"]
+    assert ("'layers.1.attn.wq.weight' is already managed by another group (the group of "
+            "Block)") in out["shared"]
     assert "fully_shard([" in out["shared"]
     assert "bottom-up" in out["top_down"]
     assert "'1.weight' is on the meta device" in out["mixed_meta"]

@@ -145,6 +145,9 @@ class FSDPParamGroup:
         self.post_forward_group: dist.ProcessGroup | None = None
         self.post_forward_indices: list[int] = []
         self._uninitialised: dict[int, int] = {}
+        # Parameters another group also manages (name -> that group's label): sharded again,
+        # as FSDP2 does, and refused at the root's first forward, where FSDP2 refuses them.
+        self.shared_with: dict[str, str] = {}
         # state_dict() and load_state_dict() must see the sharded parameters (a root keeps
         # its unsharded ones registered after forward), as FSDP2 ensures with the same hooks.
         for module in dict.fromkeys(m for p in params for m, _ in p.slots):

@@ -51,6 +51,9 @@ class Collected:
     name: str
     param: nn.Parameter
     slots: list[tuple[nn.Module, str]]
+    # The label of the group that already manages this parameter (shared across groups):
+    # FSDP2 shards it again and raises at the root's first forward; so does fsdp.
+    shared_with: str | None = None
 
 
 def managed_modules(modules: Iterable[nn.Module],
@@ -78,9 +81,13 @@ def collect_params(modules: list[tuple[str, nn.Module]],
                    ignored: set[nn.Parameter]) -> list[Collected]:
     """Parameters of ``modules`` in registration order, tied ones once with all their slots.
 
+    A parameter another group already manages is collected with ``shared_with`` set: the
+    error comes at the root's first forward, where FSDP2 raises it (see
+    :meth:`fsdp.state.FSDPState._check_no_shared_params`).
+
     Raises:
-        ValueError: for a parameter already sharded (``fully_shard`` applied top-down), one
-            owned by another group (shared across groups), or one with no elements.
+        ValueError: for a parameter already sharded (``fully_shard`` applied top-down) or one
+            with no elements.
         NotImplementedError: for a non-contiguous parameter (as FSDP2).
     """
     by_param: dict[nn.Parameter, Collected] = {}
@@ -96,12 +103,6 @@ def collect_params(modules: list[tuple[str, nn.Module]],
                 raise ValueError(
                     f"fully_shard: parameter {name!r} is already sharded by fully_shard on an "
                     "enclosing module; apply fully_shard bottom-up (blocks first, then the root)")
-            if hasattr(param, _OWNER_ATTR):
-                raise ValueError(
-                    f"fully_shard: parameter {name!r} is already managed by another group "
-                    f"(the group of {getattr(param, _OWNER_ATTR)}); a parameter can belong to "
-                    "one group only: put both modules in one group with "
-                    "fully_shard([module_a, module_b])")
             if param.dim() == 0:
                 raise ValueError(f"fully_shard doesn't support scalar parameters. Change {name} "
                                  "to a 1D tensor with numel equal to 1.")
@@ -115,7 +116,8 @@ def collect_params(modules: list[tuple[str, nn.Module]],
                 raise ValueError(f"fully_shard: parameter {name!r} has no elements (shape "
                                  f"{tuple(param.shape)}); fsdp cannot shard it: exclude it "
                                  "with ignored_params")
-            by_param[param] = Collected(name, param, [(module, attr)])
+            by_param[param] = Collected(name, param, [(module, attr)],
+                                        shared_with=getattr(param, _OWNER_ATTR, None))
     return list(by_param.values())
 
 
@@ -161,6 +163,7 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
     managed: list[ManagedParam] = []
     buffers: list[DBuffer] = []
     uninitialised: list[DBuffer] = []  # built from meta parameters: nothing written yet
+    shared: dict[str, str] = {}  # parameters another group manages: name -> its label
     for (requires_grad, dtype), members in kinds.items():
         compute = mp_policy.param_dtype or dtype
         reduce = mp_policy.reduce_dtype or compute
@@ -197,7 +200,10 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
                 else:
                     sharded = sharded_parameter(buffer, name, requires_grad)
                     m = ManagedParam(name, c.slots, buffer, sharded)
-                setattr(c.param, _OWNER_ATTR, label)
+                if c.shared_with is None:
+                    setattr(c.param, _OWNER_ATTR, label)
+                else:
+                    shared[name] = c.shared_with
                 setattr(sharded, _SHARDED_ATTR, True)
                 m.register(sharded)
                 managed.append(m)
@@ -205,5 +211,6 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
     managed.sort(key=lambda m: order[m.name])
     group = FSDPParamGroup(managed, buffers, label, mesh, mp_policy)
     group.watch_uninitialised(uninitialised)
+    group.shared_with = shared
     return group
 

@@ -190,6 +190,7 @@ class FSDPState:
             raise RuntimeError(f"FSDP requires a single root module but got {list(self.modules)}"
                                " (the first fully_shard module to run forward is a list)")
 
+        self._check_no_shared_params()
         self.is_root = True
         ctx = self.ctx
         for name, module in self.modules[0].named_modules():
@@ -226,6 +227,26 @@ class FSDPState:
             if group is not None:
                 group._module_fqn = name if group._module_fqn is None else (
                     f"{group._module_fqn}, {name}")
+
+    def _check_no_shared_params(self) -> None:
+        """A parameter registered in two groups (tied weights wrapped apart) would be two
+        sharded copies that train apart: refuse it at the root's first forward, where FSDP2
+        does, naming it by its path from the root. Every rank holds the same modules, so every
+        rank raises; checked before the lazy init changes anything, so a retry raises again."""
+        root = self.modules[0]
+        names = {id(p): n for n, p in root.named_parameters()}
+        for module in root.modules():
+            state = get_state(module)
+            for group in state.groups if state is not None else ():
+                for p in group.params:
+                    owner = group.shared_with.get(p.name)
+                    if owner is not None:
+                        name = names.get(id(p.sharded), p.name)
+                        raise ValueError(
+                            f"fully_shard: parameter {name!r} is already "
+                            f"managed by another group (the group of {owner}); a parameter can "
+                            "belong to one group only: put both modules in one group with "
+                            "fully_shard([module_a, module_b])")
 
     def _check_no_meta_params(self) -> None:
         """FSDP2's check and words: the first group (root first, then in module order) with
