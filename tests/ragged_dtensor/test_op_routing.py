@@ -101,10 +101,14 @@ def predicates_case() -> dict[str, bool]:
         "at weight": conv((plain, ragged, None, [1, 1]), {}),
         "at keyword": conv((plain,), {"weight": ragged}),
         "elsewhere": conv((plain, plain, None, [ragged]), {}),
+        # the AMP unscale's (grads, found_inf, inv_scale): a ragged gradient after a plain one
+        "in list at": conv(([plain, ragged], torch.zeros(1), torch.ones(1)), {}),
+        "plain list at": conv(([plain, plain], torch.zeros(1), torch.ones(1)), {}),
     }
 
 
 def test_wants_predicates_find_ragged_arguments(ranks) -> None:
     [got] = ranks.run(1, predicates_case)
     assert got == {"self": True, "tensor list": True, "optional list": True, "keyword": True,
-                   "plain": False, "at weight": True, "at keyword": True, "elsewhere": False}
+                   "plain": False, "at weight": True, "at keyword": True, "elsewhere": False,
+                   "in list at": True, "plain list at": False}

@@ -62,15 +62,22 @@ def has_ragged_arg(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
 
 def ragged_at(*positions: int) -> Callable[[tuple[object, ...], dict[str, object]], bool]:
     """A ``wants`` predicate for an op whose tensor inputs sit at ``positions`` of its
-    arguments (``as_strided``'s ``self``; a convolution's input, weight and bias): it looks
-    there only, plus any keyword argument, instead of scanning every argument as
+    arguments (``as_strided``'s ``self``; a convolution's input, weight and bias; the AMP
+    unscale's gradient list, found_inf and inv_scale): it looks there only (into a tensor list
+    too), plus any keyword argument, instead of scanning every argument as
     :func:`has_ragged_arg` does in front of torch's handler on every call."""
 
     def wants(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
+        count = len(args)
         for i in positions:
-            if i < len(args):
+            if i < count:
                 x = args[i]
-                if isinstance(x, DTensor) and is_ragged(x._spec):
+                kind = type(x)
+                if kind is list or kind is tuple:
+                    for item in x:
+                        if isinstance(item, DTensor) and is_ragged(item._spec):
+                            return True
+                elif isinstance(x, DTensor) and is_ragged(x._spec):
                     return True
         return bool(kwargs) and has_ragged_arg((), kwargs)
 

@@ -124,7 +124,8 @@ ROUTES = {
     aten.argmin.default: Route(argminmax_handler),
     aten.convolution.default: Route(gather_handler, wants=_CONVOLUTION_TENSORS),
     aten.convolution_backward.default: Route(gather_handler, wants=_CONVOLUTION_TENSORS),
-    aten._amp_foreach_non_finite_check_and_unscale_.default: Route(amp_unscale_handler),
+    aten._amp_foreach_non_finite_check_and_unscale_.default: Route(
+        amp_unscale_handler, wants=ragged_at(0, 1, 2)),
 }
 
 
