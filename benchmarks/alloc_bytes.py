@@ -116,6 +116,31 @@ class Timeline:
                 best, when = self.live[i], self.times[i]
         return best, when
 
+    def peak_without(self, start: str, end: str,
+                     exclude: Callable[[Allocation], bool]) -> tuple[int, int]:
+        """:meth:`peak` with the bytes of the allocations ``exclude`` picks taken off the
+        count at every instant (e.g. a backend's staging copies another backend does not
+        make), so the peak may fall elsewhere.
+
+        Returns:
+            ``(bytes, instant)``: the peak and the first event that reached it.
+        """
+        t0, t1 = self.marks[start], self.marks[end]
+        changes = sorted([(a.start_ns, a.nbytes) for a in self.allocations if exclude(a)]
+                         + [(a.end_ns, -a.nbytes) for a in self.allocations
+                            if exclude(a) and a.end_ns is not None])
+        lo = max(bisect.bisect_right(self.times, t0) - 1, 0)
+        hi = bisect.bisect_right(self.times, t1)
+        excluded, j = 0, 0
+        best, when = None, t0
+        for i in range(lo, hi):
+            while j < len(changes) and changes[j][0] <= self.times[i]:
+                excluded += changes[j][1]
+                j += 1
+            if best is None or self.live[i] - excluded > best:
+                best, when = self.live[i] - excluded, self.times[i]
+        return (self.bytes_at(t0) if best is None else best), when
+
     def live_at(self, t_ns: int,
                 may_die_on_worker: Callable[[Allocation], bool] | None = None) -> list[Allocation]:
         """Every allocation holding bytes at ``t_ns``.

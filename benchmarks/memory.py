@@ -28,6 +28,11 @@ split by when it was allocated: during this step's forward (activations) or late
 only as jumps of the allocator's count: they count as collectives; what no block accounts
 for is reported as unattributed.
 
+Every phase is also reported without gloo's own staging copies (``bytes_without_gloo_staging``
+and the ``ratios_*_without_gloo_staging``; :func:`is_gloo_staging`): gloo's all-gather and
+reduce-scatter copy the whole unsharded tensor through a temporary, which NCCL does not make
+and fsdp's gloo collectives avoid, so those figures are the comparison a GPU run would make.
+
 The CPU time spent in the systems' hooks is ``benchmarks/hook_overhead.py``'s.
 
 Run: ``python benchmarks/memory.py [--models llama1024 train_step] [--dtypes fp32 bf16]
@@ -291,18 +296,34 @@ def breakdown(timeline: Timeline, t_ns: int, step_start: int, forward_end: int,
     }
 
 
+def is_gloo_staging(alloc: Allocation) -> bool:
+    """Whether gloo made ``alloc`` for itself: inside a c10d op on the training thread or
+    inside gloo's own scopes (``gloo:all_gather``: its all-gather and reduce-scatter stage the
+    whole unsharded tensor through a temporary) or on one of its worker threads. NCCL writes
+    into the caller's buffers and makes none of them, so the figures without them are the
+    comparison a GPU run would make. fsdp's own gloo collectives (``dbuffer.gloo_collectives``)
+    avoid the staging for large slices: counted with it, the comparison flatters fsdp by what
+    FSDP2 stages."""
+    return any(s.startswith(("c10d::", "gloo:")) for s in alloc.scopes)
+
+
 def phase_figures(timeline: Timeline, step: int, with_breakdown: bool) -> dict[str, Any]:
-    """The four phase figures of measured step ``step`` (and their breakdowns)."""
+    """The four phase figures of measured step ``step`` (and their breakdowns); each phase
+    also without gloo's staging (:func:`is_gloo_staging`)."""
     marks = [f"s{step}:{m}" for m in ("start", "forward", "backward", "optimizer", "zero_grad")]
     t_start, t_fwd = timeline.marks[marks[0]], timeline.marks[marks[1]]
     out: dict[str, Any] = {}
     for phase, (a, b) in zip(PHASES[:3], zip(marks, marks[1:4])):
         peak, when = timeline.peak(a, b)
-        out[phase] = {"bytes": peak}
+        out[phase] = {"bytes": peak,
+                      "bytes_without_gloo_staging": timeline.peak_without(a, b, is_gloo_staging)[0]}
         if with_breakdown:
             out[phase]["breakdown"] = breakdown(timeline, when, t_start, t_fwd)
     t_between = timeline.marks[marks[4]]
-    out["between"] = {"bytes": timeline.bytes_at(t_between)}
+    staged = sum(a.nbytes for a in timeline.allocations
+                 if is_gloo_staging(a) and a.live_at(t_between))
+    out["between"] = {"bytes": timeline.bytes_at(t_between),
+                      "bytes_without_gloo_staging": timeline.bytes_at(t_between) - staged}
     if with_breakdown:
         out["between"]["breakdown"] = breakdown(timeline, t_between, t_start, t_fwd)
     return out
@@ -422,6 +443,9 @@ def phase_peaks(system: str, cfg: ModelConfig, compute: torch.dtype | None = Non
     mine: dict[str, Any] = {phase: min((fig[phase] for fig in per_step), key=_phase_order)
                             for phase in PHASES}
     mine["steps"] = [{p: fig[p]["bytes"] for p in PHASES} for fig in per_step]
+    for phase in PHASES:
+        mine[phase]["bytes_without_gloo_staging"] = min(
+            fig[phase]["bytes_without_gloo_staging"] for fig in per_step)
     return mine
 
 
@@ -446,10 +470,14 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     for phase in PHASES:
         worst = max(range(len(ranks)), key=lambda r: ranks[r][phase]["bytes"])
         out[phase] = {"bytes": ranks[worst][phase]["bytes"], "rank": worst,
-                      "per_rank_bytes": [r[phase]["bytes"] for r in ranks]}
+                      "per_rank_bytes": [r[phase]["bytes"] for r in ranks],
+                      "bytes_without_gloo_staging": max(
+                          r[phase]["bytes_without_gloo_staging"] for r in ranks)}
         if "breakdown" in ranks[worst][phase]:
             out[phase]["breakdown"] = ranks[worst][phase]["breakdown"]
     out["peak_bytes"] = max(out[p]["bytes"] for p in PHASES)
+    out["peak_bytes_without_gloo_staging"] = max(out[p]["bytes_without_gloo_staging"]
+                                                 for p in PHASES)
     return out
 
 
@@ -468,6 +496,7 @@ def run_config(model: str, dtype: str, world: int, steps: int, with_breakdown: b
         entry["ratios_fsdp_over_fsdp2"] = {
             "peak": ours["peak_bytes"] / theirs["peak_bytes"],
             **{p: ours[p]["bytes"] / theirs[p]["bytes"] for p in PHASES}}
+        entry["ratios_fsdp_over_fsdp2_without_gloo_staging"] = _ratios_without_staging(ours, theirs)
         if with_breakdown:
             entry["difference_fsdp_minus_fsdp2_bytes"] = {
                 p: {c: ours[p]["breakdown"]["bytes"][c] - theirs[p]["breakdown"]["bytes"][c]
@@ -477,16 +506,31 @@ def run_config(model: str, dtype: str, world: int, steps: int, with_breakdown: b
             entry[f"ratios_{variant}_over_fsdp2"] = {
                 "peak": entry[variant]["peak_bytes"] / entry["fsdp2"]["peak_bytes"],
                 **{p: entry[variant][p]["bytes"] / entry["fsdp2"][p]["bytes"] for p in PHASES}}
+            entry[f"ratios_{variant}_over_fsdp2_without_gloo_staging"] = (
+                _ratios_without_staging(entry[variant], entry["fsdp2"]))
     return entry
+
+
+def _ratios_without_staging(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
+    key = "bytes_without_gloo_staging"
+    return {"peak": ours[f"peak_{key}"] / theirs[f"peak_{key}"],
+            **{p: ours[p][key] / theirs[p][key] for p in PHASES}}
 
 
 def _print_config(key: str, entry: dict[str, Any]) -> None:
     systems = [s for s in (*SYSTEMS, *VARIANTS) if s in entry]
     print(f"\n== {key}")
+    if "ratios_fsdp_over_fsdp2_without_gloo_staging" in entry:
+        ratios = entry["ratios_fsdp_over_fsdp2_without_gloo_staging"]
+        print("fsdp/FSDP2 without gloo's staging: "
+              + ", ".join(f"{p} {r:.2f}" for p, r in ratios.items()))
     for variant in VARIANTS:
         if f"ratios_{variant}_over_fsdp2" in entry:
             ratios = entry[f"ratios_{variant}_over_fsdp2"]
             print(f"{variant}/FSDP2: " + ", ".join(f"{p} {r:.2f}" for p, r in ratios.items()))
+            ratios = entry[f"ratios_{variant}_over_fsdp2_without_gloo_staging"]
+            print(f"{variant}/FSDP2 without gloo's staging: "
+                  + ", ".join(f"{p} {r:.2f}" for p, r in ratios.items()))
     print(f"{'phase':10s}" + "".join(f"{s + ' MB':>12s}" for s in systems)
           + ("   fsdp/FSDP2" if systems == list(SYSTEMS) else ""))
     for phase in (*PHASES, "peak"):
