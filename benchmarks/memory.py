@@ -15,8 +15,8 @@ batch 1 per rank: parameters dominate), ``train_step`` (``train_step.py``'s defa
 d_model 256, seq 128, batch 4: activations dominate) and ``small`` (2 blocks, d_model 64:
 the suite's test model and the quick run's).
 
-``--breakdown`` attributes the live bytes at each phase's peak to categories, for both
-systems: every allocation live at that instant is named by identity where the benchmark
+``--breakdown`` attributes the live bytes at each phase's peak (and at its peak without gloo's
+staging, below) to categories, for both systems: every allocation live at that instant is named by identity where the benchmark
 can see the tensor (sharded parameters, optimizer state and sharded gradients tagged after the
 step that made them; FSDP2's unsharded gradients tagged as its post-backward receives them) and
 otherwise by the profiler scope that allocated it (fsdp's flat buffers are allocated inside a
@@ -315,10 +315,12 @@ def phase_figures(timeline: Timeline, step: int, with_breakdown: bool) -> dict[s
     out: dict[str, Any] = {}
     for phase, (a, b) in zip(PHASES[:3], zip(marks, marks[1:4])):
         peak, when = timeline.peak(a, b)
-        out[phase] = {"bytes": peak,
-                      "bytes_without_gloo_staging": timeline.peak_without(a, b, is_gloo_staging)[0]}
+        unstaged, when_unstaged = timeline.peak_without(a, b, is_gloo_staging)
+        out[phase] = {"bytes": peak, "bytes_without_gloo_staging": unstaged}
         if with_breakdown:
             out[phase]["breakdown"] = breakdown(timeline, when, t_start, t_fwd)
+            out[phase]["breakdown_without_gloo_staging"] = breakdown(
+                timeline, when_unstaged, t_start, t_fwd)
     t_between = timeline.marks[marks[4]]
     staged = sum(a.nbytes for a in timeline.allocations
                  if is_gloo_staging(a) and a.live_at(t_between))
@@ -473,8 +475,9 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
                       "per_rank_bytes": [r[phase]["bytes"] for r in ranks],
                       "bytes_without_gloo_staging": max(
                           r[phase]["bytes_without_gloo_staging"] for r in ranks)}
-        if "breakdown" in ranks[worst][phase]:
-            out[phase]["breakdown"] = ranks[worst][phase]["breakdown"]
+        for key in ("breakdown", "breakdown_without_gloo_staging"):
+            if key in ranks[worst][phase]:
+                out[phase][key] = ranks[worst][phase][key]
     out["peak_bytes"] = max(out[p]["bytes"] for p in PHASES)
     out["peak_bytes_without_gloo_staging"] = max(out[p]["bytes_without_gloo_staging"]
                                                  for p in PHASES)
