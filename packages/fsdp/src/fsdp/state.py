@@ -234,13 +234,13 @@ class FSDPState:
         does, naming it by its path from the root. Every rank holds the same modules, so every
         rank raises; checked before the lazy init changes anything, so a retry raises again."""
         root = self.modules[0]
-        names = {id(p): n for n, p in root.named_parameters()}
         for module in root.modules():
             state = get_state(module)
             for group in state.groups if state is not None else ():
                 for p in group.params:
                     owner = group.shared_with.get(p.name)
                     if owner is not None:
+                        names = {id(param): n for n, param in root.named_parameters()}
                         name = names.get(id(p.sharded), p.name)
                         raise ValueError(
                             f"fully_shard: parameter {name!r} is already "
