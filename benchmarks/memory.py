@@ -16,8 +16,8 @@ d_model 256, seq 128, batch 4: activations dominate) and ``small`` (2 blocks, d_
 the suite's test model and the quick run's).
 
 ``--breakdown`` attributes the live bytes at each phase's peak (and at its peak without gloo's
-staging, below) to categories, for both systems: every allocation live at that instant is named by identity where the benchmark
-can see the tensor (sharded parameters, optimizer state and sharded gradients tagged after the
+staging, below) to categories, for both systems: every allocation live at that instant is
+named by identity where the benchmark can see the tensor (sharded parameters, optimizer state and sharded gradients tagged after the
 step that made them; FSDP2's unsharded gradients tagged as its post-backward receives them) and
 otherwise by the profiler scope that allocated it (fsdp's flat buffers are allocated inside a
 ``mem::<buffer> [<group>]`` scope this benchmark wraps around ``FlatBuffer.allocate``; FSDP2's
@@ -534,24 +534,26 @@ def _print_config(key: str, entry: dict[str, Any]) -> None:
             ratios = entry[f"ratios_{variant}_over_fsdp2_without_gloo_staging"]
             print(f"{variant}/FSDP2 without gloo's staging: "
                   + ", ".join(f"{p} {r:.2f}" for p, r in ratios.items()))
-    print(f"{'phase':10s}" + "".join(f"{s + ' MB':>12s}" for s in systems)
-          + ("   fsdp/FSDP2" if systems == list(SYSTEMS) else ""))
+    widths = [max(12, len(s) + 5) for s in systems]
+    print(f"{'phase':10s}" + "".join(f"{s + ' MB':>{w}s}" for s, w in zip(systems, widths))
+          + ("   fsdp/FSDP2" if "ratios_fsdp_over_fsdp2" in entry else ""))
     for phase in (*PHASES, "peak"):
         figs = [entry[s]["peak_bytes" if phase == "peak" else phase] for s in systems]
         figs = [f if isinstance(f, int) else f["bytes"] for f in figs]
         ratio = entry.get("ratios_fsdp_over_fsdp2", {}).get(phase)
-        print(f"{phase:10s}" + "".join(f"{f / MB:12.1f}" for f in figs)
+        print(f"{phase:10s}" + "".join(f"{f / MB:{w}.1f}" for f, w in zip(figs, widths))
               + (f"   {ratio:11.2f}" if ratio is not None else ""))
     if "breakdown" not in entry[systems[0]]["forward"]:
         return
     for phase in PHASES:
         print(f"\n  {phase} peak, MB (largest rank)")
+        both = "fsdp" in systems and "fsdp2" in systems
         print(f"  {'category':20s}" + "".join(f"{s:>10s}" for s in systems)
-              + ("  fsdp-FSDP2" if systems == list(SYSTEMS) else ""))
+              + ("  fsdp-FSDP2" if both else ""))
         for c in CATEGORIES:
-            vals = [entry[s][phase]["breakdown"]["bytes"][c] for s in systems]
-            diff = f"  {(vals[0] - vals[1]) / MB:10.1f}" if systems == list(SYSTEMS) else ""
-            print(f"  {c:20s}" + "".join(f"{v / MB:10.1f}" for v in vals) + diff)
+            by_system = {s: entry[s][phase]["breakdown"]["bytes"][c] for s in systems}
+            diff = f"  {(by_system['fsdp'] - by_system['fsdp2']) / MB:10.1f}" if both else ""
+            print(f"  {c:20s}" + "".join(f"{v / MB:10.1f}" for v in by_system.values()) + diff)
         for s in systems:
             alive = entry[s][phase]["breakdown"]["groups_alive"]
             print(f"  {s}: groups alive: " + "; ".join(f"{k} {len(v)} {v}" for k, v in alive.items()))
