@@ -38,6 +38,7 @@ Handler = Callable[[torch._ops.OpOverload, tuple[object, ...], dict[str, object]
 
 
 _NUMBERS = (int, float, bool)
+_TENSOR = torch.Tensor
 
 
 def has_ragged_arg(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
@@ -68,6 +69,8 @@ def ragged_at(*positions: int) -> Callable[[tuple[object, ...], dict[str, object
     :func:`has_ragged_arg` does in front of torch's handler on every call."""
 
     def wants(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
+        # a plain tensor (the AMP unscale's found_inf) is told apart by its type first: an
+        # isinstance against DTensor costs a few times more for it
         count = len(args)
         for i in positions:
             if i < count:
@@ -75,9 +78,10 @@ def ragged_at(*positions: int) -> Callable[[tuple[object, ...], dict[str, object
                 kind = type(x)
                 if kind is list or kind is tuple:
                     for item in x:
-                        if isinstance(item, DTensor) and is_ragged(item._spec):
+                        if (type(item) is not _TENSOR and isinstance(item, DTensor)
+                                and is_ragged(item._spec)):
                             return True
-                elif isinstance(x, DTensor) and is_ragged(x._spec):
+                elif kind is not _TENSOR and isinstance(x, DTensor) and is_ragged(x._spec):
                     return True
         return bool(kwargs) and has_ragged_arg((), kwargs)
 
