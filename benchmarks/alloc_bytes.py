@@ -126,9 +126,9 @@ class Timeline:
             ``(bytes, instant)``: the peak and the first event that reached it.
         """
         t0, t1 = self.marks[start], self.marks[end]
-        changes = sorted([(a.start_ns, a.nbytes) for a in self.allocations if exclude(a)]
-                         + [(a.end_ns, -a.nbytes) for a in self.allocations
-                            if exclude(a) and a.end_ns is not None])
+        excluded_allocs = [a for a in self.allocations if exclude(a)]
+        changes = sorted([(a.start_ns, a.nbytes) for a in excluded_allocs]
+                         + [(a.end_ns, -a.nbytes) for a in excluded_allocs if a.end_ns is not None])
         lo = max(bisect.bisect_right(self.times, t0) - 1, 0)
         hi = bisect.bisect_right(self.times, t1)
         excluded, j = 0, 0
