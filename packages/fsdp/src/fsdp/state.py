@@ -240,18 +240,21 @@ class FSDPState:
                 for p in group.params:
                     owner = group.shared_with.get(p.name)
                     if owner is not None:
-                        names = {id(param): n for n, param in root.named_parameters()}
-                        name = names.get(id(p.sharded), p.name)
+                        name = self._names_from_root().get(id(p.sharded), p.name)
                         raise ValueError(
                             f"fully_shard: parameter {name!r} is already "
                             f"managed by another group (the group of {owner}); a parameter can "
                             "belong to one group only: put both modules in one group with "
                             "fully_shard([module_a, module_b])")
 
+    def _names_from_root(self) -> dict[int, str]:
+        """Each registered parameter's path from the root, by object identity (for errors)."""
+        return {id(p): n for n, p in self.modules[0].named_parameters()}
+
     def _check_no_meta_params(self) -> None:
         """FSDP2's check and words: the first group (root first, then in module order) with
         parameters still on the meta device raises, naming them by their names in the root."""
-        names = {id(p): n for n, p in self.modules[0].named_parameters()}
+        names = self._names_from_root()
         for state in self.ctx.all_states:
             for group in state.groups:
                 # what the module holds: a value assigned in place of the sharded parameter
