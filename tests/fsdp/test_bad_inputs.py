@@ -5,7 +5,7 @@ the argument at fault; the checkpoint cases also check that the checkpoint saved
 still there, whole and loadable (nothing already saved is lost). Not repeated here (see
 tests/fsdp/test_behaviour.py::test_bad_inputs_raise_clear_errors_on_every_rank, world size 2):
 parameters shared across groups, top-down wrapping, mixed meta devices, shapes differing across
-ranks, a 0-D parameter, ModuleList, unit_policy returning 0, Shard(1), an int
+ranks, a 0-D parameter, ModuleList, unit_policy returning 0, an uneven Shard(1), an int
 reshard_after_forward, a set_custom_all_gather comm without the interface, an empty parameter. Nor the checkpoint cases of
 tests/fsdp/test_checkpoint_io.py (world size 2, on every rank): an empty directory (not a
 checkpoint), a truncated checkpoint, a checkpoint of another model, a negative or non-int step,

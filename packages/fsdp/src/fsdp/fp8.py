@@ -75,21 +75,27 @@ def default_filter(name: str, param: nn.Parameter, modules: Collection[nn.Module
     return any(isinstance(m, nn.Linear) and m.weight is param for m in modules)
 
 
-def refuse_tensor_parallel(quantized: frozenset[str], tp_params: Collection[str]) -> None:
-    """Raise ``NotImplementedError`` for a parameter chosen for the FP8 all-gather that is
-    tensor-parallel: its tiles would have to be cut from the TP-local tensor, a layout the
-    quantized gather does not plan (global facts: every rank raises alike).
+def refuse_unsupported(quantized: frozenset[str], tp_params: Collection[str],
+                       dim_shards: Collection[str]) -> None:
+    """Raise ``NotImplementedError`` for a parameter chosen for the FP8 all-gather whose
+    tiles the quantized gather does not plan: a tensor-parallel one (its tiles would have to be
+    cut from the TP-local tensor) or one ``shard_placement_fn`` cuts along a dim ``d > 0``
+    (fsdp stores it dim-permuted, :mod:`fsdp.dim_shard`). Global facts: every rank raises
+    alike.
 
     Args:
         quantized: the names :func:`quantized_units` chose.
         tp_params: the names of the group's tensor-parallel (DTensor) parameters.
+        dim_shards: the names of the group's ``Shard(d > 0)`` parameters.
     """
-    both = sorted(quantized & set(tp_params))
-    if both:
-        raise NotImplementedError(
-            f"quantize_all_gather: parameter {both[0]!r} is tensor-parallel; the block-wise "
-            "FP8 all-gather does not compose with tensor parallelism yet: leave it out with "
-            "BlockwiseFP8(filter=...)")
+    for names, what in ((tp_params, "is tensor-parallel; the block-wise FP8 all-gather does "
+                                    "not compose with tensor parallelism yet"),
+                        (dim_shards, "is sharded along a dim > 0 (shard_placement_fn); the "
+                                     "block-wise FP8 all-gather tiles dim-0 shards only")):
+        both = sorted(quantized & set(names))
+        if both:
+            raise NotImplementedError(f"quantize_all_gather: parameter {both[0]!r} {what}: "
+                                      "leave it out with BlockwiseFP8(filter=...)")
 
 
 def quantized_units(config: BlockwiseFP8 | None, collected: list, units: dict[str, int]

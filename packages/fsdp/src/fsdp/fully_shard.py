@@ -21,7 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from fsdp import post_forward
-from fsdp.fp8 import BlockwiseFP8, GroupQuantizer, quantized_units, refuse_tensor_parallel
+from fsdp.fp8 import BlockwiseFP8, GroupQuantizer, quantized_units, refuse_unsupported
 from fsdp.param_group import BACKWARD_PREFETCH_STARTS
 from fsdp.policies import UnitPolicy
 from fsdp.sharding import build_group, collect_params, managed_modules, resolve_units, signature
@@ -75,8 +75,11 @@ def fully_shard(
             over ``k`` neighbouring ranks only (an int ``k`` dividing the shard dimension,
             e.g. a node's ranks; see :mod:`fsdp.post_forward`), or ``None``: ``True`` except
             for the root, decided at the first forward, as FSDP2 does.
-        shard_placement_fn: FSDP2's hook; ``None`` and ``Shard(0)`` are accepted (rows),
-            ``Shard(d > 0)`` raises pointing to ``unit_policy``.
+        shard_placement_fn: FSDP2's hook. ``None`` and ``Shard(0)`` mean units of the
+            flattened tensor (``unit_policy``'s, rows by default); ``Shard(d > 0)`` cuts
+            equal chunks along ``d`` as FSDP2 does, with no copy: the parameter is stored
+            dim-permuted in a buffer of its own, and its local shard, unsharded parameter
+            and gradients are non-contiguous views (see :mod:`fsdp.dim_shard`).
         mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` (one fused cast per
             buffer before the all-gather), ``reduce_dtype``, ``output_dtype``,
             ``cast_forward_inputs``.
@@ -95,12 +98,16 @@ def fully_shard(
 
     Raises:
         ValueError: for a parameter shared with another group, ``fully_shard`` applied
-            top-down, a non-positive unit, ``Shard(d > 0)``, a scalar or empty parameter, or a
-            container without ``forward``, or an int ``reshard_after_forward`` that does not
-            divide the shard dimension (the same facts on every rank, so every rank raises).
+            top-down, a non-positive unit, a scalar or empty parameter, or a container
+            without ``forward``, or an int ``reshard_after_forward`` that does not divide the
+            shard dimension (the same facts on every rank, so every rank raises).
+        AssertionError: for a ``shard_placement_fn`` dim the parameter lacks (FSDP2's).
         NotImplementedError: for tensor-parallel (DTensor) parameters whose placements fsdp
             cannot compose with (a ``Shard(d)`` leaving a TP rank empty, ``Partial``; see
-            :mod:`fsdp.tensor_parallel`), or CPU offload of a mesh that is not on CPU.
+            :mod:`fsdp.tensor_parallel`), a ``shard_placement_fn`` result other than
+            ``Shard``, uneven ``Shard(d > 0)`` chunks (FSDP2's), ``Shard(d > 0)`` of a
+            tensor-parallel or FP8-gathered parameter, or CPU offload of a mesh that is not
+            on CPU.
         TypeError: for a ``module``, ``mesh``, ``mp_policy`` or ``unit_policy`` of the
             wrong type, naming it.
     """
@@ -142,6 +149,7 @@ def fully_shard(
     labels = ", ".join(type(m).__name__ for m in modules)
     collected: list = []
     units: dict[str, int] = {}
+    dims: dict = {}
     layouts: dict = {}
     error: BaseException | None = None
     try:
@@ -150,18 +158,19 @@ def fully_shard(
         # TP layouts first: their checks read global facts (an uneven TP cut that leaves a
         # TP rank nothing raises everywhere, not only where a unit policy would divide by 0)
         layouts = plan_layouts([(c.name, c.param) for c in collected], mesh)
-        units = resolve_units(collected, unit_policy, shard_placement_fn)
+        units, dims = resolve_units(collected, unit_policy, shard_placement_fn,
+                                    mesh.size(mesh.ndim - 1), layouts)
         units, quantized = quantized_units(quantize_all_gather, collected, units)
-        refuse_tensor_parallel(quantized, layouts)
-    except (ValueError, NotImplementedError, TypeError) as caught:
+        refuse_unsupported(quantized, layouts, dims)
+    except (ValueError, NotImplementedError, TypeError, AssertionError) as caught:
         error = caught
     # One collective per mesh dim: an error found on any rank, or parameters (names, shapes,
     # dtypes, units) that differ across ranks, raise on every rank before any rank plans.
     for dim in range(mesh.ndim):
-        raise_on_any_rank(error, mesh.get_group(dim), agree_on=signature(collected, units))
+        raise_on_any_rank(error, mesh.get_group(dim), agree_on=signature(collected, units, dims))
     group = None
     if collected:
-        group = build_group(collected, units, mesh, device, mp_policy, labels, layouts)
+        group = build_group(collected, units, mesh, device, mp_policy, labels, layouts, dims)
         if reshard_after_forward is not None:
             group.config.reshard_after_forward = reshard_after_forward
         if not isinstance(reshard_after_forward, (bool, type(None))):

@@ -101,12 +101,12 @@ class ManagedParam:
         local = self.buffer.local_view(self.name)
         with torch.no_grad():
             if isinstance(value, DTensor) and value.placements == self.sharded.placements:
-                local.copy_(value.to_local().reshape(-1))
+                local.copy_(self._stored(value.to_local()).reshape(-1))
                 return
             if isinstance(value, DTensor):
                 value = value.full_tensor()
             start, end = self.buffer.plan.local_range(self.name, self.buffer.rank)
-            local.copy_(value.reshape(-1)[start:end])
+            local.copy_(self._stored(value).reshape(-1)[start:end])
 
     # The hook points of a parameter whose unsharded form is not a plain tensor
     # (fsdp.tensor_parallel.TPManagedParam: a tensor-parallel DTensor over the same views).
@@ -124,6 +124,17 @@ class ManagedParam:
     def _local(self, grad: torch.Tensor) -> torch.Tensor:
         """The plain tensor laid out like the buffer's view, of a ``.grad``."""
         return grad
+
+    # The hook points of a parameter stored in another order than its own
+    # (fsdp.dim_shard.DimShardManagedParam: dim d first).
+    def _stored(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (shaped like the parameter or its local shard) in the order the buffer
+        stores it, for a flat copy into the buffer."""
+        return value
+
+    def local_of(self, view: torch.Tensor) -> torch.Tensor:
+        """The sharded parameter's local tensor over the buffer's 1-D ``view`` of its run."""
+        return view
 
     def sharded_on(self, buffer: DBuffer) -> nn.Parameter:
         """A new sharded parameter over ``buffer`` (after ``model.to(dtype)`` rebuilt it)."""

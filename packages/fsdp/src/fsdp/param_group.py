@@ -522,9 +522,9 @@ class FSDPParamGroup:
                     new_local = locals_[p.name]
                     view = target.local_view(p.name)
                     if new_local.data_ptr() != view.data_ptr() or new_local is not view:
-                        view.copy_(new_local.reshape(-1))
+                        view.copy_(p._stored(new_local).reshape(-1))
                     if target is buffer:
-                        p.sharded._local_tensor = view
+                        p.sharded._local_tensor = p.local_of(view)
                     p.register(p.sharded)
 
     def _rebuild_buffer(self, index: int, device: torch.device, dtype: torch.dtype) -> DBuffer:

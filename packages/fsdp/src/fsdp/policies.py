@@ -22,6 +22,7 @@ __all__ = [
     "UnitPolicy",
     "row_unit",
     "resolve_unit",
+    "shard_dim",
 ]
 
 UnitPolicy = Callable[[str, torch.Tensor], int]
@@ -47,49 +48,51 @@ def row_unit(name: str, param: torch.Tensor) -> int:
     return param.numel() // param.shape[0]
 
 
-def resolve_unit(
-    name: str,
-    param: torch.Tensor,
-    unit_policy: UnitPolicy | None,
-    shard_placement_fn: Callable[[torch.nn.Parameter], object] | None,
-) -> int:
-    """The unit of one parameter under the user's ``unit_policy`` and ``shard_placement_fn``.
+def shard_dim(name: str, param: torch.Tensor,
+              shard_placement_fn: Callable[[torch.nn.Parameter], object] | None) -> int:
+    """The dim FSDP2's ``shard_placement_fn`` asks to cut ``param`` along (0 for ``None``),
+    checked as FSDP2 checks it: a negative dim counts from the end.
 
-    ``shard_placement_fn`` keeps FSDP2's meaning where it can be expressed as whole units:
-    ``None`` and ``Shard(0)`` mean rows; ``Shard(d)`` for ``d > 0`` cuts columns, which no
-    contiguous run of whole units can express.
+    Args:
+        name: the parameter's name in its group (for error messages).
+        param: the parameter.
+        shard_placement_fn: FSDP2's placement hook, or ``None``.
+
+    Returns:
+        A dim in ``[0, param.dim())``.
+
+    Raises:
+        AssertionError: for a dim ``param`` does not have (FSDP2's error and words).
+        NotImplementedError: for a placement other than ``Shard`` (e.g. a per-parameter mesh).
+    """
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise NotImplementedError(
+            f"shard_placement_fn returned {placement!r} for parameter {name!r}: only None or "
+            "Shard(d) are supported (per-parameter meshes are not)")
+    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    if dim >= param.dim():
+        raise AssertionError(f"Shard dim {dim} is invalid for {param.dim()}D tensor: "
+                             f"{tuple(param.shape)}")
+    return dim
+
+
+def resolve_unit(name: str, param: torch.Tensor, unit_policy: UnitPolicy | None) -> int:
+    """The unit of one parameter sharded along dim 0, under the user's ``unit_policy``.
 
     Args:
         name: the parameter's name in its group (for error messages).
         param: the parameter.
         unit_policy: the user's unit policy, or ``None`` for :func:`row_unit`.
-        shard_placement_fn: FSDP2's placement hook, or ``None``.
 
     Returns:
         A positive unit in elements.
 
     Raises:
-        ValueError: for ``Shard(d > 0)``, or a unit that is not a positive int.
-        NotImplementedError: for any other placement result (e.g. a per-parameter mesh).
+        ValueError: for a unit that is not a positive int.
     """
-    if shard_placement_fn is not None:
-        placement = shard_placement_fn(param)
-        if placement is not None:
-            if not isinstance(placement, Shard):
-                raise NotImplementedError(
-                    f"shard_placement_fn returned {placement!r} for parameter {name!r}: only "
-                    "None or Shard(0) can be expressed as whole units (per-parameter meshes "
-                    "are not supported)"
-                )
-            dim = placement.dim if placement.dim >= 0 else placement.dim + param.dim()
-            if dim != 0:
-                raise ValueError(
-                    f"shard_placement_fn returned Shard({placement.dim}) for parameter "
-                    f"{name!r} of shape {tuple(param.shape)}: fsdp shards whole units of the "
-                    "flattened tensor, so a cut along dim > 0 cannot be expressed; pass "
-                    "unit_policy= instead (e.g. a whole matrix per unit: "
-                    "lambda name, p: p.numel())"
-                )
     unit = (unit_policy or row_unit)(name, param)
     if isinstance(unit, bool) or not isinstance(unit, int) or unit < 1:
         raise ValueError(

@@ -5,7 +5,9 @@ sharded, nor ``ignored_params``), in registration order, with every ``(module, a
 slot that registers each (tied weights), plans them with ``layout_planner.plan_buckets`` per
 kind (trainable parameters of one dtype; frozen parameters of one dtype, which get a DBuffer
 without gradient memory), allocates one DBuffer per bucket, copies each rank's run in once,
-and registers a RaggedShard DTensor parameter over each run in place of the original. A group
+and registers a RaggedShard DTensor parameter over each run in place of the original (a
+``Shard(d)`` one for a parameter ``shard_placement_fn`` cuts along ``d > 0``, planned alone,
+dim-first: :mod:`fsdp.dim_shard`). A group
 of meta-device parameters gets meta-device DBuffers (no memory), so its sharded parameters
 stay on the meta device until ``to_empty``.
 """
@@ -13,22 +15,23 @@ stay on the meta device until ``to_empty``.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from dbuffer import DBuffer
-from layout_planner import TensorSpec, plan_buckets
+from layout_planner import Plan, TensorSpec, plan_buckets
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp.buffers import make_buffer, sharded_parameter
+from fsdp.dim_shard import DimShard, DimShardManagedParam, check_even
 from fsdp.managed_param import ManagedParam
 from fsdp.param_group import FSDPParamGroup
-from fsdp.policies import UnitPolicy, resolve_unit
+from fsdp.policies import UnitPolicy, resolve_unit, shard_dim
 from fsdp.tensor_parallel import TPLayout, TPManagedParam, stored_tensor
-from fsdp import tensor_parallel
+from fsdp import dim_shard, tensor_parallel
 
 # Marks set on parameters (tensors hash by identity but compare element-wise, so weak
 # containers cannot hold them): the group label that took an original parameter, to name both
@@ -131,31 +134,86 @@ def _align(dtypes: Iterable[torch.dtype]) -> int:
 
 
 def resolve_units(collected: list[Collected], unit_policy: UnitPolicy | None,
-                  shard_placement_fn: Callable[[nn.Parameter], object] | None) -> dict[str, int]:
-    """Every parameter's unit under the user's policies (see :func:`resolve_unit`)."""
-    return {c.name: resolve_unit(c.name, stored_tensor(c.param), unit_policy, shard_placement_fn)
-            for c in collected}
+                  shard_placement_fn: Callable[[nn.Parameter], object] | None,
+                  shard_size: int, tp_params: Collection[str]
+                  ) -> tuple[dict[str, int], dict[str, DimShard]]:
+    """Every parameter's unit under the user's policies, and the parameters
+    ``shard_placement_fn`` cuts along a dim ``d > 0`` (:mod:`fsdp.dim_shard`), whose unit is
+    their whole chunk (``unit_policy`` does not apply to them).
+
+    Raises:
+        AssertionError: for a ``Shard`` dim the parameter lacks (FSDP2's error).
+        NotImplementedError: for uneven ``Shard(d > 0)`` chunks (FSDP2's error), a
+            non-``Shard`` placement, or ``Shard(d > 0)`` on a tensor-parallel parameter.
+        ValueError: for a bad unit.
+    """
+    units: dict[str, int] = {}
+    dims: dict[str, DimShard] = {}
+    for c in collected:
+        tensor = stored_tensor(c.param)
+        dim = shard_dim(c.name, c.param, shard_placement_fn)
+        if dim == 0:
+            units[c.name] = resolve_unit(c.name, tensor, unit_policy)
+            continue
+        if c.name in tp_params:
+            raise NotImplementedError(
+                f"shard_placement_fn returned Shard({dim}) for parameter {c.name!r}, which is "
+                "tensor-parallel; fsdp cuts tensor-parallel parameters along dim 0 only")
+        check_even(c.name, tensor, dim, shard_size)
+        dims[c.name] = DimShard(dim, tuple(tensor.shape))
+        units[c.name] = tensor.numel() // shard_size
+    return units, dims
 
 
-def signature(collected: list[Collected], units: dict[str, int]) -> str:
-    """What every rank must agree on before planning: names, shapes, dtypes, trainability
-    and units, in order (ranks that differ would plan different buffers)."""
+def signature(collected: list[Collected], units: dict[str, int],
+              dims: dict[str, DimShard]) -> str:
+    """What every rank must agree on before planning: names, shapes, dtypes, trainability,
+    units and shard dims, in order (ranks that differ would plan different buffers)."""
     return json.dumps([(c.name, list(c.param.shape), str(c.param.dtype), c.param.requires_grad,
-                        units.get(c.name)) for c in collected])
+                        units.get(c.name), dims[c.name].dim if c.name in dims else 0)
+                       for c in collected])
+
+
+def _plans(members: list[Collected], stored: dict[str, torch.Tensor], units: dict[str, int],
+           dims: dict[str, DimShard], shard_size: int, align: int, cost: int) -> list[Plan]:
+    """The buckets of one kind: the dim-0 parameters planned together, and a bucket of its
+    own for each ``Shard(d > 0)`` parameter, one chunk per rank (see :mod:`fsdp.dim_shard`;
+    the collectives' alignment is dropped where the chunk does not keep it, since every rank
+    boundary must fall exactly between chunks)."""
+    rows = [TensorSpec(c.name, stored[c.name].numel(), units[c.name],
+                       tuple(stored[c.name].shape)) for c in members if c.name not in dims]
+    plans = plan_buckets(rows, shard_size, align=align, bucket_cost=cost) if rows else []
+    for c in members:
+        if c.name not in dims:
+            continue
+        chunk = units[c.name]
+        spec = TensorSpec(c.name, stored[c.name].numel(), chunk, tuple(stored[c.name].shape))
+        plan = plan_buckets([spec], shard_size, align=align if chunk % align == 0 else 1,
+                            bucket_cost=cost)[0]
+        expected = [(r * chunk, (r + 1) * chunk) for r in range(shard_size)]
+        if [plan.local_range(c.name, r) for r in range(shard_size)] != expected:
+            raise RuntimeError(f"fsdp: the plan of parameter {c.name!r} does not give every "
+                               f"rank one chunk along dim {dims[c.name].dim}")
+        plans.append(plan)
+    return plans
 
 
 def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceMesh,
                 device: torch.device, mp_policy: MixedPrecisionPolicy,
-                label: str, layouts: dict[str, TPLayout] | None = None) -> FSDPParamGroup:
+                label: str, layouts: dict[str, TPLayout] | None = None,
+                dims: dict[str, DimShard] | None = None) -> FSDPParamGroup:
     """Plan, allocate and register the sharded parameters of one group.
 
     Every rank computes the same plans from the same parameter shapes (checked before, by
     ``fully_shard``); each DBuffer checks its plan again with one small collective.
     Tensor-parallel parameters (``layouts``, by name) are planned and stored as their TP-local
-    tensors (:mod:`fsdp.tensor_parallel`).
+    tensors (:mod:`fsdp.tensor_parallel`); ``Shard(d > 0)`` parameters (``dims``, by name)
+    dim-permuted, each in a buffer of its own (:mod:`fsdp.dim_shard`).
     """
     layouts = layouts or {}
+    dims = dims or {}
     stored = {c.name: stored_tensor(c.param) for c in collected}
+    stored.update((name, shard.stored(stored[name])) for name, shard in dims.items())
     shard_size = mesh.size(mesh.ndim - 1)
     kinds: dict[tuple[bool, torch.dtype], list[Collected]] = {}
     for c in collected:
@@ -167,12 +225,10 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
     for (requires_grad, dtype), members in kinds.items():
         compute = mp_policy.param_dtype or dtype
         reduce = mp_policy.reduce_dtype or compute
-        specs = [TensorSpec(c.name, stored[c.name].numel(), units[c.name],
-                            tuple(stored[c.name].shape)) for c in members]
         by_name = {c.name: c for c in members}
         cost = shard_size * _BUCKET_COST_BYTES_PER_RANK // dtype.itemsize
-        for plan in plan_buckets(specs, shard_size, align=_align((dtype, compute, reduce)),
-                                 bucket_cost=cost):
+        for plan in _plans(members, stored, units, dims, shard_size,
+                           _align((dtype, compute, reduce)), cost):
             names = [e.name for e in plan.entries]
             meta = [n for n in names if stored[n].is_meta]
             if meta and len(meta) != len(names):
@@ -197,6 +253,10 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
                     sharded = tensor_parallel.sharded_parameter(buffer, name, layouts[name],
                                                                 requires_grad)
                     m = TPManagedParam(name, c.slots, buffer, sharded, layout=layouts[name])
+                elif name in dims:  # Shard(d > 0): a Shard(d) DTensor over the same run
+                    sharded = dim_shard.sharded_parameter(buffer, name, dims[name],
+                                                          requires_grad)
+                    m = DimShardManagedParam(name, c.slots, buffer, sharded, shard=dims[name])
                 else:
                     sharded = sharded_parameter(buffer, name, requires_grad)
                     m = ManagedParam(name, c.slots, buffer, sharded)

@@ -1,0 +1,139 @@
+"""Parameters FSDP2's ``shard_placement_fn`` cuts along a dim ``d > 0``, with no copy.
+
+``Shard(d)`` gives every rank an equal chunk of the parameter along ``d`` (FSDP2 supports only
+even chunks there, and so does fsdp, with FSDP2's error). Such a chunk is not a run of the
+flattened tensor, so fsdp stores the parameter *dim-permuted*: dim ``d`` first
+(``param.movedim(d, 0)``), where the same chunk is a run of whole rows. Each such parameter gets
+a buffer of its own, planned one chunk per rank, so that:
+
+* the sharded parameter is a ``Shard(d)`` DTensor (``(Replicate(), Shard(d))`` on an HSDP
+  mesh) whose local tensor is the rank's run seen through ``movedim(0, d)``: a view of the
+  sharded buffer, shaped like FSDP2's local shard;
+* the unsharded parameter, and its ``.grad``, are the unsharded buffers' views seen the same
+  way, so the all-gather and the reduce-scatter stay zero-copy (FSDP2 copies a ``Shard(d > 0)``
+  parameter out of its all-gather output and its gradient into the reduce-scatter input).
+
+The price of the view is the stride: these tensors are not contiguous (the unsharded
+parameter is laid out like the transpose of a contiguous one for a 2-D weight). Matmuls take
+such operands as they are; code that needs a contiguous tensor calls ``.contiguous()``. A
+buffer per parameter is one all-gather and one reduce-scatter more per such parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from dbuffer import DBuffer
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from fsdp.managed_param import ManagedParam
+
+
+@dataclass(frozen=True)
+class DimShard:
+    """How a ``Shard(dim)`` parameter (``dim > 0``) is stored.
+
+    Attributes:
+        dim: the dim the chunks are cut along.
+        shape: the parameter's shape.
+    """
+
+    dim: int
+    shape: tuple[int, ...]
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape fsdp stores and plans: ``dim`` first."""
+        rest = [s for i, s in enumerate(self.shape) if i != self.dim]
+        return (self.shape[self.dim], *rest)
+
+    def stored(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (shaped like the parameter or a chunk of it) in the stored order: a
+        view, flattened only by the caller (``reshape``)."""
+        return tensor.movedim(self.dim, 0)
+
+    def logical(self, flat: torch.Tensor) -> torch.Tensor:
+        """A stored run of whole rows (a 1-D view, or one shaped like :attr:`stored_shape`)
+        seen in the parameter's order: a view of the same memory."""
+        rows = flat.numel() // math.prod(self.stored_shape[1:])
+        return flat.view(rows, *self.stored_shape[1:]).movedim(0, self.dim)
+
+
+def check_even(name: str, param: torch.Tensor, dim: int, shard_size: int) -> None:
+    """Raise FSDP2's error for a ``Shard(dim > 0)`` whose chunks would be uneven.
+
+    Raises:
+        NotImplementedError: when ``param.size(dim)`` is not a multiple of ``shard_size``.
+    """
+    if param.size(dim) % shard_size != 0:
+        raise NotImplementedError(
+            f"FSDP does not support uneven sharding on dim {dim}: {tuple(param.shape)} "
+            f"(world size: {shard_size}); parameter {name!r}")
+
+
+def _dtensor(local: torch.Tensor, like: DTensor, shard: DimShard) -> DTensor:
+    """``local`` as the ``Shard(dim)`` DTensor on ``like``'s mesh (``like`` is the buffer's
+    RaggedShard DTensor of the stored tensor: the same mesh and replicate dim), holding
+    ``local`` itself."""
+    placements = (*like.placements[:-1], Shard(shard.dim))
+    meta = TensorMeta(torch.Size(shard.shape), _contiguous_stride(shard.shape), local.dtype)
+    return DTensor(local, DTensorSpec(like.device_mesh, placements, tensor_meta=meta),
+                   requires_grad=False)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= size
+    return tuple(reversed(stride))
+
+
+def sharded_parameter(buffer: DBuffer, name: str, shard: DimShard,
+                      requires_grad: bool) -> nn.Parameter:
+    """The registered ``Shard(dim)`` parameter over ``buffer``'s run of ``name`` (optimizer
+    steps write into the buffer)."""
+    local = shard.logical(buffer.local_view(name))
+    param = nn.Parameter(_dtensor(local, buffer.sharded_param(name), shard),
+                         requires_grad=requires_grad)
+    param._local_tensor = local
+    return param
+
+
+@dataclass(eq=False)
+class DimShardManagedParam(ManagedParam):
+    """A :class:`~fsdp.managed_param.ManagedParam` cut along ``shard.dim > 0``: every tensor
+    the module, autograd or the optimizer sees is a buffer view through
+    :meth:`DimShard.logical`."""
+
+    shard: DimShard | None = None
+
+    @property
+    def _shard(self) -> DimShard:
+        assert self.shard is not None
+        return self.shard
+
+    def _as_param_tensor(self, view: torch.Tensor) -> torch.Tensor:
+        return self._shard.logical(view)
+
+    def _local(self, grad: torch.Tensor) -> torch.Tensor:
+        return self._shard.stored(grad)
+
+    def _stored(self, value: torch.Tensor) -> torch.Tensor:
+        return self._shard.stored(value)
+
+    def local_of(self, view: torch.Tensor) -> torch.Tensor:
+        return self._shard.logical(view)
+
+    def sharded_on(self, buffer: DBuffer) -> nn.Parameter:
+        return sharded_parameter(buffer, self.name, self._shard, self.sharded.requires_grad)
+
+    def sharded_grad(self) -> DTensor:
+        """The reduced gradient: the sharded gradient buffer's run, placed like the
+        parameter."""
+        local = self._shard.logical(self.buffer.sharded_grad_view(self.name))
+        return DTensor(local, self.sharded._spec, requires_grad=False)

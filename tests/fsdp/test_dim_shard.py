@@ -1,0 +1,276 @@
+"""``shard_placement_fn`` returning ``Shard(d > 0)`` (:mod:`fsdp.dim_shard`), against FSDP2 and
+one process in the same test.
+
+* Training: a two-layer MLP whose weights FSDP2 and fsdp both cut along dim 1 (and along
+  ``Shard(-1)``, normalised as FSDP2 does), 3 AdamW steps, on world sizes 2 and 3 and on a 2x2
+  HSDP mesh: the placements, the local shards (values and shapes) and the sharded gradients
+  equal FSDP2's; losses and parameters stay as close to one process as FSDP2's do.
+* Zero copy: during forward each ``Shard(1)`` weight the module computes with lies in its
+  DBuffer's unsharded buffer, and its ``.grad`` in the gradient buffer, with no copy.
+* State: the DCP checkpoint of a ``Shard(1)`` model loads into a model sharded by rows (and
+  back), ``model.to(torch.float64)`` keeps the parameters views of a new buffer, and a model
+  built on the meta device initialises through ``to_empty``.
+* Errors: a dim the tensor lacks, uneven chunks and a tensor-parallel parameter raise on every
+  rank (the first two with FSDP2's own words).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from tests.fsdp.models import import_fsdp
+from tests.harness import device_mesh
+
+STEPS, BATCH_PER_RANK = 3, 2
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    # 12 and 24 divide by 2, 3 and 4: every weight cuts evenly along dim 1.
+    return nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 12), nn.GELU(),
+                         nn.Linear(12, 12))
+
+
+def _dim1(param: nn.Parameter) -> Shard | None:
+    return Shard(1) if param.ndim == 2 else None
+
+
+def _last(param: nn.Parameter) -> Shard | None:
+    return Shard(-1) if param.ndim == 2 else None
+
+
+def _shard(model: nn.Module, impl: str, mesh: Any, fn: Any) -> None:
+    api = import_fsdp(impl)
+    for layer in (model[0], model[2]):
+        api.fully_shard(layer, mesh=mesh, shard_placement_fn=fn)
+    api.fully_shard(model, mesh=mesh, shard_placement_fn=fn)
+
+
+def _batches(world: int) -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(STEPS, world * BATCH_PER_RANK, 12)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local().detach().clone() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def _train(impl: str | None, mesh_shape: tuple[int, ...], fn: Any, world: int) -> dict[str, Any]:
+    """``STEPS`` AdamW steps on the global batch of ``world`` ranks: in one process
+    (``impl=None``) or on this rank's slice of it, sharded by ``impl``."""
+    model = _mlp()
+    batches = _batches(world)
+    if impl is not None:
+        names = ("replicate", "shard") if len(mesh_shape) == 2 else None
+        _shard(model, impl, device_mesh(*mesh_shape, names=names), fn)
+        rank = dist.get_rank()
+        batches = batches[:, rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
+    first = {n: _local(p) for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        loss = model(batches[step]).square().mean()
+        loss.backward()
+        if impl is not None:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        losses.append(loss.item())
+        if step == 0:
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            grads = {n: (_local(g), g.full_tensor() if isinstance(g, DTensor) else g.clone())
+                     for n, g in grads.items()}
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {n: p for n, p in model.named_parameters()}
+    return {
+        "losses": losses,
+        "full": {n: p.detach().full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+                 for n, p in params.items()},
+        "first": first,
+        "local": {n: _local(p) for n, p in params.items()},
+        "placements": {n: tuple(p.placements) for n, p in params.items()
+                       if isinstance(p, DTensor) and p.ndim == 2},
+        "grads": grads,
+    }
+
+
+def _both(mesh_shape: tuple[int, ...], fn: Any) -> dict[str, Any]:
+    return {impl: _train(impl, mesh_shape, fn, dist.get_world_size()) for impl in ("torch", "fsdp")}
+
+
+def _error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    return max((got[n] - ref[n]).abs().max().item() for n in ref)
+
+
+@pytest.mark.parametrize("world,mesh_shape,fn", [(2, (2,), _dim1), (3, (3,), _last),
+                                                 (4, (2, 2), _dim1)],
+                         ids=["w2", "w3-neg1", "hsdp2x2"])
+def test_shard_dim1_trains_like_fsdp2(ranks, world, mesh_shape, fn):
+    reference = _train(None, (1,), fn, world)
+    for out in ranks.run(world, _both, mesh_shape, fn):
+        torch_out, ours = out["torch"], out["fsdp"]
+        # The same placements and the same local shards as FSDP2, for every Shard(1) weight.
+        assert ours["placements"] == torch_out["placements"]
+        assert all(p[-1] == Shard(1) for p in ours["placements"].values())
+        for name in ours["placements"]:
+            assert torch.equal(ours["first"][name], torch_out["first"][name]), name
+            assert (ours["local"][name] - torch_out["local"][name]).abs().max() <= 1e-6, name
+            # The first step's sharded gradients: FSDP2's shard, to float reordering.
+            got, want = ours["grads"][name][0], torch_out["grads"][name][0]
+            assert got.shape == want.shape
+            assert (got - want).abs().max().item() <= 1e-6, name
+        loss_err = max(abs(a - b) for a, b in zip(ours["losses"], reference["losses"]))
+        torch_loss_err = max(abs(a - b) for a, b in zip(torch_out["losses"], reference["losses"]))
+        assert loss_err <= max(2 * torch_loss_err, 1e-6)
+        assert _error(ours["full"], reference["full"]) <= max(
+            2 * _error(torch_out["full"], reference["full"]), 1e-6)
+
+
+def _zero_copy() -> dict[str, Any]:
+    import fsdp
+
+    mesh = device_mesh(dist.get_world_size())
+    model = _mlp()
+    _shard(model, "fsdp", mesh, _dim1)
+    seen: dict[str, bool] = {}
+
+    def in_buffer(tensor: torch.Tensor, flat: torch.Tensor) -> bool:
+        start = flat.untyped_storage().data_ptr()
+        end = start + flat.untyped_storage().nbytes()
+        return (tensor.untyped_storage().data_ptr() == start
+                and start <= tensor.data_ptr() < end)
+
+    grad_in_buffer: dict[str, bool] = {}
+
+    def check(module: nn.Module, args: Any) -> None:
+        for p in fsdp.fully_shard.state(module).group.params:
+            weight = p.unsharded_param()
+            seen[p.name] = in_buffer(weight, p.buffer.unsharded_buffer)
+            if p.name not in grad_in_buffer:
+                grad_in_buffer[p.name] = False
+                weight.register_post_accumulate_grad_hook(
+                    lambda t, m=p: grad_in_buffer.__setitem__(
+                        m.name, in_buffer(t.grad, m.buffer.grad_buffer)))
+
+    model[0].register_forward_pre_hook(check)
+    model[2].register_forward_pre_hook(check)
+    model(torch.randn(2, 12)).sum().backward()
+    weight = model[0].weight
+    return {"seen": seen, "grads": grad_in_buffer,
+            "contiguous": (weight.to_local().is_contiguous(), weight.grad.to_local().shape)}
+
+
+def test_shard_dim1_gathers_and_reduces_in_place(ranks):
+    for out in ranks.run(2, _zero_copy):
+        assert out["seen"] and all(out["seen"].values()), out["seen"]
+        assert out["grads"] and all(out["grads"].values()), out["grads"]
+        # The local shard is a dim-permuted view (documented), shaped like FSDP2's.
+        assert out["contiguous"] == (False, torch.Size([24, 6]))
+
+
+def _state(tmp: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    mesh = device_mesh(dist.get_world_size())
+    by_dim1 = _mlp()
+    _shard(by_dim1, "fsdp", mesh, _dim1)
+    with torch.no_grad():
+        for p in by_dim1.parameters():
+            p.add_(1.0)  # differ from a fresh model
+    expected = {n: p.detach().full_tensor() for n, p in by_dim1.named_parameters()}
+    dcp.save(get_model_state_dict(by_dim1), checkpoint_id=tmp)
+    by_rows = _mlp()
+    _shard(by_rows, "fsdp", mesh, None)
+    state = get_model_state_dict(by_rows)
+    dcp.load(state, checkpoint_id=tmp)
+    set_model_state_dict(by_rows, state)
+    rows_ok = all(torch.equal(p.full_tensor(), expected[n]) for n, p in by_rows.named_parameters())
+    # and back: a full state dict loaded into a fresh Shard(1) model
+    back = _mlp()
+    _shard(back, "fsdp", mesh, _dim1)
+    full = get_model_state_dict(by_rows)
+    full = {n: t.full_tensor() for n, t in full.items()}
+    set_model_state_dict(back, full, options=StateDictOptions(full_state_dict=True))
+    back_ok = all(torch.equal(p.full_tensor(), expected[n]) for n, p in back.named_parameters())
+    # model.to(float64): new buffers, parameters still views of them, same values
+    back.to(torch.float64)
+    import fsdp
+
+    views = []
+    for layer in (back[0], back[2], back):
+        for p in fsdp.fully_shard.state(layer).group.params:
+            local = p.sharded.to_local()
+            flat = p.buffer.local_view(p.name)
+            views.append(local.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+                         and local.dtype == torch.float64)
+    f64_ok = all(torch.equal(p.full_tensor(), expected[n].double())
+                 for n, p in back.named_parameters())
+    back(torch.randn(2, 12, dtype=torch.float64)).sum().backward()
+    # meta-device init: stays on meta until to_empty, then trains
+    with torch.device("meta"):
+        meta = _mlp()
+    _shard(meta, "fsdp", mesh, _dim1)
+    on_meta = all(p.is_meta for p in meta.parameters())
+    meta.to_empty(device="cpu")
+    torch.manual_seed(3)
+    for m in meta.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+    meta(torch.randn(2, 12)).sum().backward()
+    return {"rows": rows_ok, "back": back_ok, "f64": f64_ok, "views": all(views),
+            "meta": on_meta, "meta_grads": all(p.grad is not None for p in meta.parameters())}
+
+
+def test_shard_dim1_state_dicts_dtype_and_meta_init(ranks, tmp_path):
+    for out in ranks.run(2, _state, str(tmp_path / "ckpt")):
+        assert out == {"rows": True, "back": True, "f64": True, "views": True, "meta": True,
+                       "meta_grads": True}
+
+
+def _errors() -> dict[str, str]:
+    import fsdp
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    def error_of(fn: Any) -> str:
+        try:
+            fn()
+        except Exception as error:  # noqa: BLE001 - the type is part of what is compared
+            return f"{type(error).__name__}: {error}"
+        return "no error"
+
+    mesh = device_mesh(dist.get_world_size())
+    out = {
+        "bad_dim": error_of(lambda: fsdp.fully_shard(nn.Linear(4, 4), mesh=mesh,
+                                                     shard_placement_fn=lambda p: Shard(1))),
+        "uneven": error_of(lambda: fsdp.fully_shard(nn.Linear(3, 4), mesh=mesh,
+                                                    shard_placement_fn=_dim1)),
+    }
+    world = device_mesh(1, dist.get_world_size(), names=("dp", "tp"))
+    tp = parallelize_module(nn.Sequential(nn.Linear(4, 4)), world["tp"], {"0": ColwiseParallel()})
+    out["tp"] = error_of(lambda: fsdp.fully_shard(tp, mesh=world["dp"], shard_placement_fn=_dim1))
+    return out
+
+
+def test_shard_dim_errors_raise_on_every_rank(ranks):
+    results = ranks.run(2, _errors)
+    for key in ("bad_dim", "uneven"):
+        assert results[0][key] == results[1][key]
+    # A 1 x 2 (dp, tp) mesh: each rank's data-parallel group is itself, and each raises.
+    assert all(r["tp"].startswith("NotImplementedError") for r in results)
+    out = results[0]
+    assert out["bad_dim"].startswith("AssertionError") and "Shard dim 1 is invalid for 1D tensor" in out["bad_dim"]
+    assert out["uneven"].startswith("NotImplementedError")
+    assert "FSDP does not support uneven sharding on dim 1: (4, 3) (world size: 2)" in out["uneven"]
+    assert out["tp"].startswith("NotImplementedError") and "'0.weight', which is tensor-parallel" in out["tp"]
