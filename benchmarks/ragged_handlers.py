@@ -17,8 +17,9 @@ pinned to the same core, and each row reports the median over pairs of the pair'
 Below a few percent the ratios cannot tell overhead from noise (the control op ``add``, which
 no patch touches, reads up to 1.06). For the ops whose entry in DTensor's custom-op table
 ragged_dtensor wraps (torch's own handlers, reached on every call), the process with the
-patches also times the wrapper's own work, the route lookup and the RaggedShard scan, against
-torch's handler on the same arguments: a bound on the overhead that noise cannot move. The
+patches also times the wrapper's own work, the route's RaggedShard check (the route is bound
+when the entry is made), against torch's handler on the same arguments: a bound on the
+overhead that noise cannot move. The
 other ops leave C++'s sharding cache only on a miss, so they add nothing per call.
 
 Run: ``python benchmarks/ragged_handlers.py [--pairs 5 --rounds 9 --iters 200]``.
@@ -102,11 +103,10 @@ def _wrapper_work(x: torch.Tensor, extra: dict[str, object],
     for name, make_args in WRAPPED_CALLS.items():
         op = getattr(torch.ops.aten, name).default
         entry, args = table[op], make_args(x, extra)
-        entry(op, args, {})  # fills the entry's route cache, as the first real call does
+        wants = entry.route.wants
 
         def own_work() -> bool:
-            route = entry._routes.get(id(op))
-            return route is not None and route.wants(args, {})
+            return wants(args, {})
 
         def torch_handler() -> object:
             return entry.torch_handler(op, args, {})

@@ -162,5 +162,4 @@ def test_every_torch_handler_is_reviewed() -> None:
     for op, handler in table.items():
         if op in CORRECT_AS_IS:
             continue
-        assert isinstance(handler, op_routing.RaggedFirst), op
-        assert op in op_routing.ROUTES, op
+        assert getattr(handler, "route", None) is op_routing.ROUTES.get(op) is not None, op

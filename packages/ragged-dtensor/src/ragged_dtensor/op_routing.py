@@ -17,9 +17,9 @@ every later call with that spec reaches the route again.
 
 torch's own custom-op handlers (``argmax``, convolution, ``as_strided``, the AMP unscale, ...)
 run before any of this and treat an unknown placement as replicated, so for the ops this
-package has an answer for, the table entry is replaced by a :class:`RaggedFirst` that gives
-RaggedShard calls to the route and every other call to torch's handler (one ``is_ragged`` scan
-of the arguments on top of a Python handler that runs anyway).
+package has an answer for, the table entry is replaced by :func:`ragged_first`'s function,
+which gives RaggedShard calls to the route and every other call to torch's handler (the
+route's predicate on top of a Python handler that runs anyway).
 """
 
 from __future__ import annotations
@@ -134,34 +134,33 @@ class RaggedSlowPath:
         return self.original(op_call, args, kwargs, op_info, try_cache)
 
 
-class RaggedFirst:
-    """A custom-op table entry: calls on RaggedShard inputs take the route, others torch's.
-
-    The route is looked up by the op's ``id`` (an ``OpOverload`` hashes in Python, which
-    would be the larger part of what this entry adds to every call of torch's handler)."""
-
-    def __init__(self, torch_handler: Handler) -> None:
-        self.torch_handler = torch_handler
-        self._routes: dict[int, Route] = {}
-
-    def __call__(self, op_call: torch._ops.OpOverload, args: tuple[object, ...],
-                 kwargs: dict[str, object]) -> object:
-        route = self._routes.get(id(op_call))
-        if route is None:
-            route = ROUTES.get(op_call)
-            if route is not None:
-                self._routes[id(op_call)] = route
-        if route is not None and route.wants(args, kwargs):
-            return route.handler(op_call, args, kwargs)
-        return self.torch_handler(op_call, args, kwargs)
-
-
 def ragged_slow_path(original: Callable[..., object]) -> RaggedSlowPath:
     """The :mod:`ragged_dtensor.torch_patches` factory of the dispatcher's slow path."""
     return RaggedSlowPath(original)
 
 
-def ragged_first(torch_handler: Handler) -> RaggedFirst:
-    """The :mod:`ragged_dtensor.torch_patches` factory of a custom-op table entry of torch's
-    for an op that has a route."""
-    return RaggedFirst(torch_handler)
+def ragged_first(torch_handler: Handler, op: torch._ops.OpOverload) -> Handler:
+    """The :mod:`ragged_dtensor.torch_patches` factory of the custom-op table entry of torch's
+    for ``op``, which has a route: calls on RaggedShard inputs take the route, others torch's
+    handler.
+
+    The entry is a plain function with the route bound when it is made (the routes are
+    registered before :func:`ragged_dtensor.install` replaces the entries): every call of
+    torch's handler then pays the route's ``wants`` predicate and one Python call, and no
+    lookup. It carries ``route`` and ``torch_handler`` for inspection.
+
+    Raises:
+        KeyError: when ``op`` has no route.
+    """
+    route = ROUTES[op]
+    wants, handler = route.wants, route.handler
+
+    def entry(op_call: torch._ops.OpOverload, args: tuple[object, ...],
+              kwargs: dict[str, object]) -> object:
+        if wants(args, kwargs):
+            return handler(op_call, args, kwargs)
+        return torch_handler(op_call, args, kwargs)
+
+    entry.route = route  # type: ignore[attr-defined]
+    entry.torch_handler = torch_handler  # type: ignore[attr-defined]
+    return entry

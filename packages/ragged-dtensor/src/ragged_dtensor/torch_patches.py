@@ -65,7 +65,8 @@ class Patch:
             planned.
         parameters: torch's parameter names the replacement relies on (``None``: not checked);
             for a ``.__code__`` symbol, the parameters of the function that owns the code.
-        replacement: ``"module:factory"``; ``factory(torch's object)`` returns what is assigned.
+        replacement: ``"module:factory"``; ``factory(torch's object)`` returns what is assigned
+            (for a dict entry ``factory(torch's object, key)``: the op a handler serves).
     """
 
     symbol: str
@@ -388,7 +389,7 @@ def install() -> None:
         factories = [_factory(patch) for patch in PATCHES]
         for (patch, where), factory in zip(sites, factories, strict=True):
             original = where.get()
-            replacement = factory(original)
+            replacement = factory(original, where.name) if where.item else factory(original)
             _originals[patch.symbol] = original
             _stored[patch.symbol] = where.stored()
             where.set(replacement)
