@@ -101,11 +101,14 @@ EXCLUSIONS: dict[str, Exclusion] = {
         Exclusion("assertGreater(self.rank, 0) where to_local() is empty: rank 0 holds part of "
                   "every parameter"),
     # shard_placement_fn: Shard(d > 0) is FSDP2's cut since fsdp 0.6 (fsdp.dim_shard). With
-    # the one assertion named removed, each of these passes on fsdp (checked on 2026-11-27,
-    # 4 and 8 ranks); test_dp_state_dict_save_load's Shard(largest dim) subtests included.
+    # the assertion named removed, each of these passes on fsdp (checked on 2026-11-27, 4
+    # and 8 ranks); test_dp_state_dict_save_load's Shard(largest dim) subtests included.
     _INIT + "TestFullyShardShardPlacementFn.test_init_1d_transformer_shard_largest_dim":
         Exclusion("assertIsInstance(param.placements[0], Shard) for every parameter: those "
                   "sharded along dim 0 are RaggedShard"),
+    _INIT + "TestFullyShardShardPlacementFn.test_init_2d_transformer_shard_diff_dim":
+        Exclusion("isinstance(placement, Shard) for every placement of every parameter: the "
+                  "dp placement of those sharded along dim 0 is RaggedShard"),
     _STATE_DICT + "TestFullyShardStateDictMultiProcess.test_dp_state_dict_save_load":
         Exclusion("assertGreater(self.rank, 0) where to_local() is empty: rank 0 holds part of "
                   "every parameter"),
@@ -132,15 +135,11 @@ CAUSE_TEXT: dict[str, str] = {
     "fsdp2-private": "reads FSDP2's private state that fsdp has no counterpart of, or calls "
                      "torch's private FSDP2 helpers on fsdp's modules (_comm_ctx, "
                      "_get_managed_modules, RegisterPostBackwardFunction)",
-    "tp-shard-dim": "shard_placement_fn returning Shard(d > 0) for a tensor-parallel "
-                    "parameter raises NotImplementedError (fsdp cuts TP-local tensors along "
-                    "dim 0 only)",
 }
 
 _FROZEN = "test_fully_shard_frozen.py::TestFullyShardFrozen."
 _MANAGED = _INIT + "TestFullyShardManagedModulesAndStates."
 _LAZY = _INIT + "TestFullyShardLazyInit."
-_PLACEMENT_FN = _INIT + "TestFullyShardShardPlacementFn."
 
 # Which cause each observed failure has (read from its traceback and the test's source).
 CAUSES: dict[str, str] = {
@@ -150,7 +149,6 @@ CAUSES: dict[str, str] = {
     _MANAGED + "test_managed_modules_nested_fully_shard_and_replicate": "fsdp2-private",
     _MANAGED + "test_managed_states_nested_fully_shard": "fsdp2-private",
     _TRAINING + "TestFullyShardShareCommContext.test_share_comm_context": "fsdp2-private",
-    _PLACEMENT_FN + "test_init_2d_transformer_shard_diff_dim": "tp-shard-dim",
 }
 
 

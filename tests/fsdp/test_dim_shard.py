@@ -10,8 +10,10 @@ one process in the same test.
 * State: the DCP checkpoint of a ``Shard(1)`` model loads into a model sharded by rows (and
   back), ``model.to(torch.float64)`` keeps the parameters views of a new buffer, and a model
   built on the meta device initialises through ``to_empty``.
-* Errors: a dim the tensor lacks, uneven chunks and a tensor-parallel parameter raise on every
-  rank (the first two with FSDP2's own words).
+* Tensor parallelism (dp 2 x tp 2): ``Shard(1)`` of a ColwiseParallel weight, as FSDP2's 2-D
+  pattern asks, gives FSDP2's placements and local shard and trains like one process.
+* Errors: a dim the tensor lacks, uneven chunks and ``Shard(d)`` along the dim tensor
+  parallelism cuts raise on every rank (the first two with FSDP2's own words).
 """
 
 from __future__ import annotations
@@ -239,9 +241,74 @@ def test_shard_dim1_state_dicts_dtype_and_meta_init(ranks, tmp_path):
                        "meta_grads": True}
 
 
+def _tp(impl: str) -> dict[str, Any]:
+    """dp 2 x tp 2: FSDP2's own 2-D pattern, the dp cut on the dim TP leaves whole
+    (``Shard(1)`` of a ColwiseParallel weight, ``Shard(0)`` of a RowwiseParallel one)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    api = import_fsdp(impl)
+    world = device_mesh(2, 2, names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12, bias=False), nn.GELU(), nn.Linear(12, 8, bias=False))
+    parallelize_module(model, world["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+    def fn(param: nn.Parameter) -> Shard:
+        tp_dim = next(p.dim for p in param.placements if isinstance(p, Shard))
+        return Shard(param.ndim - 1 - tp_dim)
+
+    for layer in (model[0], model[2]):
+        api.fully_shard(layer, mesh=world["dp"], shard_placement_fn=fn)
+    api.fully_shard(model, mesh=world["dp"], shard_placement_fn=fn)
+    first = {n: _local(p) for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp = world["dp"].get_local_rank()
+    batches = _batches(2)[:, dp * BATCH_PER_RANK:(dp + 1) * BATCH_PER_RANK, :8]
+    losses = []
+    for step in range(STEPS):
+        loss = model(batches[step]).square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"placements": tuple(model[0].weight.placements), "first": first["0.weight"],
+            "losses": losses,
+            "full": {n: p.detach().full_tensor() for n, p in model.named_parameters()}}
+
+
+def _tp_reference() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12, bias=False), nn.GELU(), nn.Linear(12, 8, bias=False))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = _batches(2)[..., :8]
+    losses = []
+    for step in range(STEPS):
+        halves = batches[step].split(BATCH_PER_RANK)
+        loss = sum(model(h).square().mean() for h in halves) / 2
+        loss.backward()
+        losses.append([model(h).square().mean().item() for h in halves])
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "full": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+def test_shard_dim1_composes_with_tensor_parallelism_like_fsdp2(ranks):
+    reference = _tp_reference()
+    ours = ranks.run(4, _tp, "fsdp")
+    torch_out = ranks.run(4, _tp, "torch")
+    for rank, (got, want) in enumerate(zip(ours, torch_out)):
+        # ColwiseParallel's weight: (Shard(1) over dp, Shard(0) over tp), FSDP2's local shard
+        assert got["placements"] == want["placements"] == (Shard(1), Shard(0))
+        assert torch.equal(got["first"], want["first"])
+        dp = rank // 2
+        for impl_out in (got, want):
+            assert max(abs(a - r[dp]) for a, r in zip(impl_out["losses"], reference["losses"])) <= 1e-5
+        ours_err, torch_err = _error(got["full"], reference["full"]), _error(want["full"], reference["full"])
+        assert ours_err <= max(2 * torch_err, 1e-6), (ours_err, torch_err)
+
+
 def _errors() -> dict[str, str]:
     import fsdp
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
     def error_of(fn: Any) -> str:
         try:
@@ -258,7 +325,7 @@ def _errors() -> dict[str, str]:
                                                     shard_placement_fn=_dim1)),
     }
     world = device_mesh(1, dist.get_world_size(), names=("dp", "tp"))
-    tp = parallelize_module(nn.Sequential(nn.Linear(4, 4)), world["tp"], {"0": ColwiseParallel()})
+    tp = parallelize_module(nn.Sequential(nn.Linear(4, 4)), world["tp"], {"0": RowwiseParallel()})
     out["tp"] = error_of(lambda: fsdp.fully_shard(tp, mesh=world["dp"], shard_placement_fn=_dim1))
     return out
 
@@ -273,4 +340,4 @@ def test_shard_dim_errors_raise_on_every_rank(ranks):
     assert out["bad_dim"].startswith("AssertionError") and "Shard dim 1 is invalid for 1D tensor" in out["bad_dim"]
     assert out["uneven"].startswith("NotImplementedError")
     assert "FSDP does not support uneven sharding on dim 1: (4, 3) (world size: 2)" in out["uneven"]
-    assert out["tp"].startswith("NotImplementedError") and "'0.weight', which is tensor-parallel" in out["tp"]
+    assert out["tp"].startswith("NotImplementedError") and "'0.weight', whose dim 1 tensor" in out["tp"]

@@ -13,6 +13,11 @@ a buffer of its own, planned one chunk per rank, so that:
   way, so the all-gather and the reduce-scatter stay zero-copy (FSDP2 copies a ``Shard(d > 0)``
   parameter out of its all-gather output and its gradient into the reduce-scatter input).
 
+A tensor-parallel parameter is cut the same way along a dim of its TP-local tensor that tensor
+parallelism leaves whole (FSDP2's 2-D pattern: ``Shard(1)`` over dp for a ``ColwiseParallel``
+weight), with placements ``(Shard(d), *tp_placements)`` on the combined mesh; a dim TP already
+cuts (FSDP2's ``_StridedShard``) raises.
+
 The price of the view is the stride: these tensors are not contiguous (the unsharded
 parameter is laid out like the transpose of a contiguous one for a 2-D weight). Matmuls take
 such operands as they are; code that needs a contiguous tensor calls ``.contiguous()``. A
@@ -31,6 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdp.managed_param import ManagedParam
+from fsdp.tensor_parallel import TPLayout, TPManagedParam
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,8 @@ class DimShard:
 
     Attributes:
         dim: the dim the chunks are cut along.
-        shape: the parameter's shape.
+        shape: the shape before the permutation: the parameter's (its TP-local tensor's for a
+            tensor-parallel one).
     """
 
     dim: int
@@ -75,16 +82,6 @@ def check_even(name: str, param: torch.Tensor, dim: int, shard_size: int) -> Non
             f"(world size: {shard_size}); parameter {name!r}")
 
 
-def _dtensor(local: torch.Tensor, like: DTensor, shard: DimShard) -> DTensor:
-    """``local`` as the ``Shard(dim)`` DTensor on ``like``'s mesh (``like`` is the buffer's
-    RaggedShard DTensor of the stored tensor: the same mesh and replicate dim), holding
-    ``local`` itself."""
-    placements = (*like.placements[:-1], Shard(shard.dim))
-    meta = TensorMeta(torch.Size(shard.shape), _contiguous_stride(shard.shape), local.dtype)
-    return DTensor(local, DTensorSpec(like.device_mesh, placements, tensor_meta=meta),
-                   requires_grad=False)
-
-
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, running = [], 1
     for size in reversed(shape):
@@ -93,35 +90,39 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def sharded_parameter(buffer: DBuffer, name: str, shard: DimShard,
-                      requires_grad: bool) -> nn.Parameter:
-    """The registered ``Shard(dim)`` parameter over ``buffer``'s run of ``name`` (optimizer
-    steps write into the buffer)."""
+def sharded_parameter(buffer: DBuffer, name: str, shard: DimShard, requires_grad: bool,
+                      layout: TPLayout | None = None) -> nn.Parameter:
+    """The registered parameter over ``buffer``'s run of ``name``: a ``Shard(dim)`` DTensor
+    (``(Replicate(), Shard(dim))`` on an HSDP mesh; for a tensor-parallel parameter, with
+    ``layout``, on the combined mesh with the TP placements after it) whose local tensor is
+    the run seen through :meth:`DimShard.logical`, so optimizer steps write into the buffer."""
     local = shard.logical(buffer.local_view(name))
-    param = nn.Parameter(_dtensor(local, buffer.sharded_param(name), shard),
-                         requires_grad=requires_grad)
+    like = buffer.sharded_param(name)  # the stored tensor's RaggedShard DTensor: its mesh
+    dp_placements = (*like.placements[:-1], Shard(shard.dim))
+    if layout is not None:
+        dtensor = layout.sharded_dtensor(local, dp_placements)
+    else:
+        meta = TensorMeta(torch.Size(shard.shape), _contiguous_stride(shard.shape), local.dtype)
+        dtensor = DTensor(local, DTensorSpec(like.device_mesh, dp_placements, tensor_meta=meta),
+                          requires_grad=False)
+    param = nn.Parameter(dtensor, requires_grad=requires_grad)
     param._local_tensor = local
     return param
 
 
-@dataclass(eq=False)
-class DimShardManagedParam(ManagedParam):
-    """A :class:`~fsdp.managed_param.ManagedParam` cut along ``shard.dim > 0``: every tensor
-    the module, autograd or the optimizer sees is a buffer view through
-    :meth:`DimShard.logical`."""
+class _DimFirst:
+    """What a parameter stored dim-first does differently, whatever else it is: values copied
+    into the buffer go dim-first, the buffer's runs come back through :meth:`DimShard.logical`."""
 
-    shard: DimShard | None = None
+    shard: DimShard | None
+    name: str
+    buffer: DBuffer
+    sharded: nn.Parameter
 
     @property
     def _shard(self) -> DimShard:
         assert self.shard is not None
         return self.shard
-
-    def _as_param_tensor(self, view: torch.Tensor) -> torch.Tensor:
-        return self._shard.logical(view)
-
-    def _local(self, grad: torch.Tensor) -> torch.Tensor:
-        return self._shard.stored(grad)
 
     def _stored(self, value: torch.Tensor) -> torch.Tensor:
         return self._shard.stored(value)
@@ -129,11 +130,45 @@ class DimShardManagedParam(ManagedParam):
     def local_of(self, view: torch.Tensor) -> torch.Tensor:
         return self._shard.logical(view)
 
-    def sharded_on(self, buffer: DBuffer) -> nn.Parameter:
-        return sharded_parameter(buffer, self.name, self._shard, self.sharded.requires_grad)
-
     def sharded_grad(self) -> DTensor:
         """The reduced gradient: the sharded gradient buffer's run, placed like the
         parameter."""
         local = self._shard.logical(self.buffer.sharded_grad_view(self.name))
         return DTensor(local, self.sharded._spec, requires_grad=False)
+
+
+@dataclass(eq=False)
+class DimShardManagedParam(_DimFirst, ManagedParam):
+    """A :class:`~fsdp.managed_param.ManagedParam` cut along ``shard.dim > 0``: every tensor
+    the module, autograd or the optimizer sees is a buffer view through
+    :meth:`DimShard.logical`."""
+
+    shard: DimShard | None = None
+
+    def _as_param_tensor(self, view: torch.Tensor) -> torch.Tensor:
+        return self._shard.logical(view)
+
+    def _local(self, grad: torch.Tensor) -> torch.Tensor:
+        return self._shard.stored(grad)
+
+    def sharded_on(self, buffer: DBuffer) -> nn.Parameter:
+        return sharded_parameter(buffer, self.name, self._shard, self.sharded.requires_grad)
+
+
+@dataclass(eq=False)
+class TPDimShardManagedParam(_DimFirst, TPManagedParam):
+    """A tensor-parallel parameter cut along ``shard.dim > 0`` of its TP-local tensor (a dim
+    tensor parallelism does not cut): the TP views of
+    :class:`~fsdp.tensor_parallel.TPManagedParam` over the dim-first views."""
+
+    shard: DimShard | None = None
+
+    def _as_param_tensor(self, view: torch.Tensor) -> torch.Tensor:
+        return self._layout.tp_dtensor(self._shard.logical(view))
+
+    def _local(self, grad: torch.Tensor) -> torch.Tensor:
+        return self._shard.stored(self._layout.tp_local(grad))
+
+    def sharded_on(self, buffer: DBuffer) -> nn.Parameter:
+        return sharded_parameter(buffer, self.name, self._shard, self.sharded.requires_grad,
+                                 self._layout)

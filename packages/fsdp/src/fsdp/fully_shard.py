@@ -105,9 +105,9 @@ def fully_shard(
         NotImplementedError: for tensor-parallel (DTensor) parameters whose placements fsdp
             cannot compose with (a ``Shard(d)`` leaving a TP rank empty, ``Partial``; see
             :mod:`fsdp.tensor_parallel`), a ``shard_placement_fn`` result other than
-            ``Shard``, uneven ``Shard(d > 0)`` chunks (FSDP2's), ``Shard(d > 0)`` of a
-            tensor-parallel or FP8-gathered parameter, or CPU offload of a mesh that is not
-            on CPU.
+            ``Shard``, uneven ``Shard(d > 0)`` chunks (FSDP2's), ``Shard(d > 0)`` along a
+            dim tensor parallelism already cuts or of an FP8-gathered parameter, or CPU
+            offload of a mesh that is not on CPU.
         TypeError: for a ``module``, ``mesh``, ``mp_policy`` or ``unit_policy`` of the
             wrong type, naming it.
     """

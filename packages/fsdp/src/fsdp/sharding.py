@@ -15,7 +15,7 @@ stay on the meta device until ``to_empty``.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +24,10 @@ from dbuffer import DBuffer
 from layout_planner import Plan, TensorSpec, plan_buckets
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Shard
 
 from fsdp.buffers import make_buffer, sharded_parameter
-from fsdp.dim_shard import DimShard, DimShardManagedParam, check_even
+from fsdp.dim_shard import DimShard, DimShardManagedParam, TPDimShardManagedParam, check_even
 from fsdp.managed_param import ManagedParam
 from fsdp.param_group import FSDPParamGroup
 from fsdp.policies import UnitPolicy, resolve_unit, shard_dim
@@ -135,7 +136,7 @@ def _align(dtypes: Iterable[torch.dtype]) -> int:
 
 def resolve_units(collected: list[Collected], unit_policy: UnitPolicy | None,
                   shard_placement_fn: Callable[[nn.Parameter], object] | None,
-                  shard_size: int, tp_params: Collection[str]
+                  shard_size: int, layouts: Mapping[str, TPLayout]
                   ) -> tuple[dict[str, int], dict[str, DimShard]]:
     """Every parameter's unit under the user's policies, and the parameters
     ``shard_placement_fn`` cuts along a dim ``d > 0`` (:mod:`fsdp.dim_shard`), whose unit is
@@ -144,7 +145,8 @@ def resolve_units(collected: list[Collected], unit_policy: UnitPolicy | None,
     Raises:
         AssertionError: for a ``Shard`` dim the parameter lacks (FSDP2's error).
         NotImplementedError: for uneven ``Shard(d > 0)`` chunks (FSDP2's error), a
-            non-``Shard`` placement, or ``Shard(d > 0)`` on a tensor-parallel parameter.
+            non-``Shard`` placement, or ``Shard(d > 0)`` along a dim tensor parallelism
+            already cuts (FSDP2's ``_StridedShard`` case).
         ValueError: for a bad unit.
     """
     units: dict[str, int] = {}
@@ -155,10 +157,13 @@ def resolve_units(collected: list[Collected], unit_policy: UnitPolicy | None,
         if dim == 0:
             units[c.name] = resolve_unit(c.name, tensor, unit_policy)
             continue
-        if c.name in tp_params:
+        layout = layouts.get(c.name)
+        if layout is not None and any(isinstance(p, Shard) and p.dim == dim
+                                      for p in layout.tp_placements):
             raise NotImplementedError(
-                f"shard_placement_fn returned Shard({dim}) for parameter {c.name!r}, which is "
-                "tensor-parallel; fsdp cuts tensor-parallel parameters along dim 0 only")
+                f"shard_placement_fn returned Shard({dim}) for parameter {c.name!r}, whose dim "
+                f"{dim} tensor parallelism already cuts ({layout.tp_placements}); fsdp cuts a "
+                "tensor-parallel parameter along dim 0 or a dim TP leaves whole")
         check_even(c.name, tensor, dim, shard_size)
         dims[c.name] = DimShard(dim, tuple(tensor.shape))
         units[c.name] = tensor.numel() // shard_size
@@ -249,14 +254,18 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
                 uninitialised.append(buffer)
             for name in names:
                 c = by_name[name]
-                if name in layouts:  # tensor parallel: the combined-mesh DTensor
-                    sharded = tensor_parallel.sharded_parameter(buffer, name, layouts[name],
+                layout, shard = layouts.get(name), dims.get(name)
+                if shard is not None:  # Shard(d > 0): a Shard(d) DTensor over the same run
+                    sharded = dim_shard.sharded_parameter(buffer, name, shard, requires_grad,
+                                                          layout)
+                    m = (DimShardManagedParam(name, c.slots, buffer, sharded, shard=shard)
+                         if layout is None else
+                         TPDimShardManagedParam(name, c.slots, buffer, sharded, layout=layout,
+                                                shard=shard))
+                elif layout is not None:  # tensor parallel: the combined-mesh DTensor
+                    sharded = tensor_parallel.sharded_parameter(buffer, name, layout,
                                                                 requires_grad)
-                    m = TPManagedParam(name, c.slots, buffer, sharded, layout=layouts[name])
-                elif name in dims:  # Shard(d > 0): a Shard(d) DTensor over the same run
-                    sharded = dim_shard.sharded_parameter(buffer, name, dims[name],
-                                                          requires_grad)
-                    m = DimShardManagedParam(name, c.slots, buffer, sharded, shard=dims[name])
+                    m = TPManagedParam(name, c.slots, buffer, sharded, layout=layout)
                 else:
                     sharded = sharded_parameter(buffer, name, requires_grad)
                     m = ManagedParam(name, c.slots, buffer, sharded)
