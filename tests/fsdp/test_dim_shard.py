@@ -5,6 +5,9 @@ one process in the same test.
   ``Shard(-1)``, normalised as FSDP2 does), 3 AdamW steps, on world sizes 2 and 3 and on a 2x2
   HSDP mesh: the placements, the local shards (values and shapes) and the sharded gradients
   equal FSDP2's; losses and parameters stay as close to one process as FSDP2's do.
+* Patterns: gradient accumulation without sync, bf16 ``param_dtype`` with float32 reduction
+  (both against FSDP2) and ``reshard_after_forward=2`` (against fsdp's default: FSDP2 fails
+  on ``Shard(1)`` with an int there) on 4 ranks.
 * Zero copy: during forward each ``Shard(1)`` weight the module computes with lies in its
   DBuffer's unsharded buffer, and its ``.grad`` in the gradient buffer, with no copy.
 * State: the DCP checkpoint of a ``Shard(1)`` model loads into a model sharded by rows (and
@@ -133,6 +136,50 @@ def test_shard_dim1_trains_like_fsdp2(ranks, world, mesh_shape, fn):
         assert loss_err <= max(2 * torch_loss_err, 1e-6)
         assert _error(ours["full"], reference["full"]) <= max(
             2 * _error(torch_out["full"], reference["full"]), 1e-6)
+
+
+def _patterns(impl: str, mode: str) -> dict[str, torch.Tensor]:
+    """3 AdamW steps of the MLP (``Shard(1)`` weights) in one training pattern: ``accum``
+    (two micro-batches, gradient sync on the second only), ``bf16`` (``param_dtype``
+    bfloat16, ``reduce_dtype`` float32), ``int`` (``reshard_after_forward=2``), ``plain``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    api = import_fsdp(impl)
+    world = dist.get_world_size()
+    mesh = device_mesh(world)
+    model = _mlp()
+    kwargs: dict[str, Any] = {"mesh": mesh, "shard_placement_fn": _dim1}
+    if mode == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
+    for layer in (model[0], model[2]):
+        api.fully_shard(layer, **kwargs, reshard_after_forward=2 if mode == "int" else True)
+    api.fully_shard(model, **kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rank = dist.get_rank()
+    batches = _batches(world)[:, rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
+    for step in range(STEPS):
+        micro = batches[step].split(1) if mode == "accum" else (batches[step],)
+        for i, x in enumerate(micro):
+            model.set_requires_gradient_sync(i == len(micro) - 1)
+            model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
+def _pattern_errors() -> dict[str, float]:
+    plain = _patterns("fsdp", "plain")
+    out = {"int": _error(_patterns("fsdp", "int"), plain)}  # FSDP2 itself fails on this one
+    for mode in ("accum", "bf16"):
+        out[mode] = _error(_patterns("fsdp", mode), _patterns("torch", mode))
+    return out
+
+
+def test_shard_dim1_in_accumulation_mixed_precision_and_int_reshard(ranks):
+    for out in ranks.run(4, _pattern_errors):
+        assert out["int"] == 0.0  # resharding to pairs of ranks changes no value
+        assert out["accum"] <= 1e-6 and out["bf16"] <= 1e-6, out
 
 
 def _zero_copy() -> dict[str, Any]:
