@@ -10,13 +10,16 @@ one process in the same test.
   on ``Shard(1)`` with an int there) on 4 ranks.
 * Zero copy: during forward each ``Shard(1)`` weight the module computes with lies in its
   DBuffer's unsharded buffer, and its ``.grad`` in the gradient buffer, with no copy.
-* State: the DCP checkpoint of a ``Shard(1)`` model loads into a model sharded by rows (and
-  back), ``model.to(torch.float64)`` keeps the parameters views of a new buffer, and a model
-  built on the meta device initialises through ``to_empty``.
+* State: the DCP checkpoint of a ``Shard(1)`` model loads into a model sharded by rows and
+  one of a row-sharded model into a ``Shard(1)`` one, a full state dict goes back into a
+  ``Shard(1)`` model, a fused AdamW steps optimizer states loaded from a full state dict as
+  the unfused one does, ``model.to(torch.float64)`` keeps the parameters views of a new
+  buffer, and a model built on the meta device initialises through ``to_empty``.
 * Tensor parallelism (dp 2 x tp 2): ``Shard(1)`` of a ColwiseParallel weight, as FSDP2's 2-D
   pattern asks, gives FSDP2's placements and local shard and trains like one process.
-* Errors: a dim the tensor lacks, uneven chunks and ``Shard(d)`` along the dim tensor
-  parallelism cuts raise on every rank (the first two with FSDP2's own words).
+* Errors: a dim the tensor lacks (past either end), uneven chunks, ``Shard(d)`` along the dim
+  tensor parallelism cuts and an FP8 all-gather of such a parameter raise on every rank
+  (the first two with FSDP2's own words).
 """
 
 from __future__ import annotations
@@ -246,6 +249,15 @@ def _state(tmp: str) -> dict[str, Any]:
     dcp.load(state, checkpoint_id=tmp)
     set_model_state_dict(by_rows, state)
     rows_ok = all(torch.equal(p.full_tensor(), expected[n]) for n, p in by_rows.named_parameters())
+    # and a checkpoint of the row-sharded model loaded into a fresh Shard(1) one
+    dcp.save(get_model_state_dict(by_rows), checkpoint_id=tmp + "-rows")
+    into_dim1 = _mlp()
+    _shard(into_dim1, "fsdp", mesh, _dim1)
+    state = get_model_state_dict(into_dim1)
+    dcp.load(state, checkpoint_id=tmp + "-rows")
+    set_model_state_dict(into_dim1, state)
+    rows_ok = rows_ok and all(torch.equal(p.full_tensor(), expected[n])
+                              for n, p in into_dim1.named_parameters())
     # and back: a full state dict loaded into a fresh Shard(1) model
     back = _mlp()
     _shard(back, "fsdp", mesh, _dim1)
@@ -280,6 +292,42 @@ def _state(tmp: str) -> dict[str, Any]:
     meta(torch.randn(2, 12)).sum().backward()
     return {"rows": rows_ok, "back": back_ok, "f64": f64_ok, "views": all(views),
             "meta": on_meta, "meta_grads": all(p.grad is not None for p in meta.parameters())}
+
+
+def _fused_after_full_load() -> dict[str, float]:
+    """AdamW steps a ``Shard(1)`` model, its optimizer state goes through a full state dict
+    (contiguous chunks) into a fresh optimizer, which steps again: fused and not."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    full_opts = StateDictOptions(full_state_dict=True)
+    mesh = device_mesh(dist.get_world_size())
+    x = _batches(1)[0]
+    out = {}
+    for fused in (False, True):
+        model = _mlp()
+        _shard(model, "fsdp", mesh, _dim1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        state = get_optimizer_state_dict(model, optimizer, options=full_opts)
+        resumed = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        set_optimizer_state_dict(model, resumed, state, options=full_opts)
+        model(x).square().mean().backward()
+        resumed.step()
+        out[fused] = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    return {"fused_vs_not": _error(out[True], out[False])}
+
+
+def test_fused_optimizer_steps_loaded_states_of_shard_dim1(ranks):
+    # Without fsdp.dim_shard.align_optimizer_states the fused step pairs the loaded
+    # (contiguous) moments with the wrong elements of the dim-first parameter: 1.7e-2 here.
+    for out in ranks.run(2, _fused_after_full_load):
+        assert out["fused_vs_not"] <= 1e-6, out
 
 
 def test_shard_dim1_state_dicts_dtype_and_meta_init(ranks, tmp_path):
@@ -371,6 +419,11 @@ def _errors() -> dict[str, str]:
         "uneven": error_of(lambda: fsdp.fully_shard(nn.Linear(3, 4), mesh=mesh,
                                                     shard_placement_fn=_dim1)),
     }
+    out["below_ndim"] = error_of(lambda: fsdp.fully_shard(
+        nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(-3) if p.ndim == 2 else None))
+    out["fp8"] = error_of(lambda: fsdp.fully_shard(
+        nn.Linear(32, 32), mesh=mesh, shard_placement_fn=_dim1,
+        quantize_all_gather=fsdp.BlockwiseFP8(block=16, filter=lambda name, p: p.ndim == 2)))
     world = device_mesh(1, dist.get_world_size(), names=("dp", "tp"))
     tp = parallelize_module(nn.Sequential(nn.Linear(4, 4)), world["tp"], {"0": RowwiseParallel()})
     out["tp"] = error_of(lambda: fsdp.fully_shard(tp, mesh=world["dp"], shard_placement_fn=_dim1))
@@ -379,7 +432,7 @@ def _errors() -> dict[str, str]:
 
 def test_shard_dim_errors_raise_on_every_rank(ranks):
     results = ranks.run(2, _errors)
-    for key in ("bad_dim", "uneven"):
+    for key in ("bad_dim", "uneven", "below_ndim", "fp8"):
         assert results[0][key] == results[1][key]
     # A 1 x 2 (dp, tp) mesh: each rank's data-parallel group is itself, and each raises.
     assert all(r["tp"].startswith("NotImplementedError") for r in results)
@@ -388,3 +441,5 @@ def test_shard_dim_errors_raise_on_every_rank(ranks):
     assert out["uneven"].startswith("NotImplementedError")
     assert "FSDP does not support uneven sharding on dim 1: (4, 3) (world size: 2)" in out["uneven"]
     assert out["tp"].startswith("NotImplementedError") and "'0.weight', whose dim 1 tensor" in out["tp"]
+    assert out["below_ndim"].startswith("AssertionError") and "Shard dim -3 is invalid for 2D" in out["below_ndim"]
+    assert out["fp8"].startswith("NotImplementedError") and "'weight' is sharded along a dim > 0" in out["fp8"]

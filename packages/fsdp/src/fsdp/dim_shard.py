@@ -22,18 +22,31 @@ The price of the view is the stride: these tensors are not contiguous (the unsha
 parameter is laid out like the transpose of a contiguous one for a 2-D weight). Matmuls take
 such operands as they are; code that needs a contiguous tensor calls ``.contiguous()``. A
 buffer per parameter is one all-gather and one reduce-scatter more per such parameter.
+
+One consumer would get the stride wrong silently: torch's fused optimizer kernels
+(``fused=True``) walk a parameter, its gradient and its states as flat memory, so a state laid
+out differently from its parameter pairs the wrong elements. States the optimizer creates
+itself (``zeros_like``) keep the parameter's strides, but a loaded one need not (a full state
+dict distributes contiguous chunks). So while such parameters exist, a global optimizer
+step pre-hook (:func:`align_optimizer_states`) lays every state of one of them out like the
+parameter before each step.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 from dbuffer import DBuffer
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from fsdp.managed_param import ManagedParam
 from fsdp.tensor_parallel import TPLayout, TPManagedParam
@@ -70,6 +83,37 @@ class DimShard:
         return flat.view(rows, *self.stored_shape[1:]).movedim(0, self.dim)
 
 
+def shard_dim(name: str, param: torch.Tensor,
+              shard_placement_fn: Callable[[nn.Parameter], object] | None) -> int:
+    """The dim FSDP2's ``shard_placement_fn`` asks to cut ``param`` along (0 for ``None``),
+    checked as FSDP2 checks it: a negative dim counts from the end.
+
+    Args:
+        name: the parameter's name in its group (for error messages).
+        param: the parameter.
+        shard_placement_fn: FSDP2's placement hook, or ``None``.
+
+    Returns:
+        A dim in ``[0, param.dim())``.
+
+    Raises:
+        AssertionError: for a dim ``param`` does not have (FSDP2's error and words).
+        NotImplementedError: for a placement other than ``Shard`` (e.g. a per-parameter mesh).
+    """
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise NotImplementedError(
+            f"shard_placement_fn returned {placement!r} for parameter {name!r}: only None or "
+            "Shard(d) are supported (per-parameter meshes are not)")
+    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.dim():
+        raise AssertionError(f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: "
+                             f"{tuple(param.shape)}")
+    return dim
+
+
 def check_even(name: str, param: torch.Tensor, dim: int, shard_size: int) -> None:
     """Raise FSDP2's error for a ``Shard(dim > 0)`` whose chunks would be uneven.
 
@@ -82,12 +126,45 @@ def check_even(name: str, param: torch.Tensor, dim: int, shard_size: int) -> Non
             f"(world size: {shard_size}); parameter {name!r}")
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= size
-    return tuple(reversed(stride))
+_DIM_FIRST_ATTR = "_fsdp_dim_first"
+_step_hook: RemovableHandle | None = None
+
+
+def align_optimizer_states(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before any optimizer step: give each state of a dim-first parameter (a tensor of the
+    parameter's shape: Adam's moments, momentum buffers) the parameter's local strides,
+    copying the values, where it has others (a state loaded from a full state dict). torch's
+    fused kernels pair elements by memory position, so without this a fused step would
+    update the wrong elements. Registered with :func:`torch.optim.optimizer.register_optimizer_step_pre_hook`
+    when the first such parameter is made.
+
+    Args:
+        optimizer: the optimizer about to step.
+        args: its step's positional arguments (unused).
+        kwargs: its step's keyword arguments (unused).
+    """
+    del args, kwargs
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not getattr(param, _DIM_FIRST_ATTR, False):
+                continue
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            local = param._local_tensor
+            for key, value in state.items():
+                if (isinstance(value, DTensor) and value.shape == param.shape
+                        and value._local_tensor.stride() != local.stride()):
+                    aligned = torch.empty_like(local, dtype=value.dtype)
+                    aligned.copy_(value._local_tensor)
+                    state[key] = DTensor(aligned, value._spec, requires_grad=value.requires_grad)
+
+
+def _mark_dim_first(param: nn.Parameter) -> None:
+    global _step_hook
+    setattr(param, _DIM_FIRST_ATTR, True)
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(align_optimizer_states)
 
 
 def sharded_parameter(buffer: DBuffer, name: str, shard: DimShard, requires_grad: bool,
@@ -102,11 +179,13 @@ def sharded_parameter(buffer: DBuffer, name: str, shard: DimShard, requires_grad
     if layout is not None:
         dtensor = layout.sharded_dtensor(local, dp_placements)
     else:
-        meta = TensorMeta(torch.Size(shard.shape), _contiguous_stride(shard.shape), local.dtype)
+        meta = TensorMeta(torch.Size(shard.shape), tuple(make_contiguous_strides_for(shard.shape)),
+                          local.dtype)
         dtensor = DTensor(local, DTensorSpec(like.device_mesh, dp_placements, tensor_meta=meta),
                           requires_grad=False)
     param = nn.Parameter(dtensor, requires_grad=requires_grad)
     param._local_tensor = local
+    _mark_dim_first(param)
     return param
 
 

@@ -180,13 +180,14 @@ class ManagedParam:
 
     def _copy_into(self, grad: torch.Tensor) -> None:
         view = self.buffer.grad_view(self.name)
-        grad = self._local(grad)
-        if isinstance(grad, DTensor) or tuple(grad.shape) != tuple(view.shape):
-            raise ValueError(f"parameter {self.name!r}: its unsharded .grad must be a plain "
-                             f"tensor of shape {tuple(view.shape)}, got "
+        local = self._local(grad)
+        if isinstance(local, DTensor) or tuple(local.shape) != tuple(view.shape):
+            expected = tuple(self._as_param_tensor(view).shape)
+            raise ValueError(f"parameter {self.name!r}: its unsharded .grad must be shaped like "
+                             f"the unsharded parameter, {expected}, got "
                              f"{type(grad).__name__} of shape {tuple(grad.shape)}")
         with torch.no_grad():
-            view.copy_(grad)
+            view.copy_(local)
         self.got_grad = True
 
     def release_grad(self, *, reduced: bool) -> None:

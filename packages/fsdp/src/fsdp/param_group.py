@@ -519,10 +519,10 @@ class FSDPParamGroup:
                 if (local.dtype, local.device) != (buffer.dtype, buffer.device):
                     target = self._rebuild_buffer(index, local.device, local.dtype)
                 for p in params:
-                    new_local = locals_[p.name]
+                    stored = p._stored(locals_[p.name])
                     view = target.local_view(p.name)
-                    if new_local.data_ptr() != view.data_ptr() or new_local is not view:
-                        view.copy_(p._stored(new_local).reshape(-1))
+                    if stored.data_ptr() != view.data_ptr() or not stored.is_contiguous():
+                        view.copy_(stored.reshape(-1))
                     if target is buffer:
                         p.sharded._local_tensor = p.local_of(view)
                     p.register(p.sharded)

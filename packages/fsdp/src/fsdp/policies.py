@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import Shard
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -22,7 +21,6 @@ __all__ = [
     "UnitPolicy",
     "row_unit",
     "resolve_unit",
-    "shard_dim",
 ]
 
 UnitPolicy = Callable[[str, torch.Tensor], int]
@@ -46,37 +44,6 @@ def row_unit(name: str, param: torch.Tensor) -> int:
     if param.dim() <= 1:
         return 1
     return param.numel() // param.shape[0]
-
-
-def shard_dim(name: str, param: torch.Tensor,
-              shard_placement_fn: Callable[[torch.nn.Parameter], object] | None) -> int:
-    """The dim FSDP2's ``shard_placement_fn`` asks to cut ``param`` along (0 for ``None``),
-    checked as FSDP2 checks it: a negative dim counts from the end.
-
-    Args:
-        name: the parameter's name in its group (for error messages).
-        param: the parameter.
-        shard_placement_fn: FSDP2's placement hook, or ``None``.
-
-    Returns:
-        A dim in ``[0, param.dim())``.
-
-    Raises:
-        AssertionError: for a dim ``param`` does not have (FSDP2's error and words).
-        NotImplementedError: for a placement other than ``Shard`` (e.g. a per-parameter mesh).
-    """
-    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
-    if placement is None:
-        return 0
-    if not isinstance(placement, Shard):
-        raise NotImplementedError(
-            f"shard_placement_fn returned {placement!r} for parameter {name!r}: only None or "
-            "Shard(d) are supported (per-parameter meshes are not)")
-    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
-    if dim >= param.dim():
-        raise AssertionError(f"Shard dim {dim} is invalid for {param.dim()}D tensor: "
-                             f"{tuple(param.shape)}")
-    return dim
 
 
 def resolve_unit(name: str, param: torch.Tensor, unit_policy: UnitPolicy | None) -> int:

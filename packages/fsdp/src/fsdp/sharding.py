@@ -27,10 +27,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
 
 from fsdp.buffers import make_buffer, sharded_parameter
-from fsdp.dim_shard import DimShard, DimShardManagedParam, TPDimShardManagedParam, check_even
+from fsdp.dim_shard import (
+    DimShard,
+    DimShardManagedParam,
+    TPDimShardManagedParam,
+    check_even,
+    shard_dim,
+)
 from fsdp.managed_param import ManagedParam
 from fsdp.param_group import FSDPParamGroup
-from fsdp.policies import UnitPolicy, resolve_unit, shard_dim
+from fsdp.policies import UnitPolicy, resolve_unit
 from fsdp.tensor_parallel import TPLayout, TPManagedParam, stored_tensor
 from fsdp import dim_shard, tensor_parallel
 

@@ -351,7 +351,8 @@ def installed() -> bool:
 
 def _check_routed_handlers() -> None:
     """A torch custom-op handler for an op ragged_dtensor routes must be a table row: it runs
-    before the routes and would treat RaggedShard as replicated."""
+    before the routes and would treat RaggedShard as replicated. And a table row's op must
+    have a route, which its entry binds (checked here, before anything is replaced)."""
     from torch.distributed.tensor import DTensor
 
     from ragged_dtensor.op_routing import ROUTES
@@ -362,6 +363,9 @@ def _check_routed_handlers() -> None:
         if op in ROUTES and symbol not in rows:
             raise _error(symbol, "torch has a custom DTensor handler that runs before "
                          "ragged_dtensor's route for this op (add a row to PATCHES)")
+        if symbol in rows and op not in ROUTES:  # its entry would have no route to bind
+            raise _error(symbol, "ragged_dtensor replaces this handler but has no route for "
+                         "the op")
 
 
 def install() -> None:
