@@ -135,8 +135,9 @@ def align_optimizer_states(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
     parameter's shape: Adam's moments, momentum buffers) the parameter's local strides,
     copying the values, where it has others (a state loaded from a full state dict). torch's
     fused kernels pair elements by memory position, so without this a fused step would
-    update the wrong elements. Registered with :func:`torch.optim.optimizer.register_optimizer_step_pre_hook`
-    when the first such parameter is made.
+    update the wrong elements. Registered once, as a global optimizer step pre-hook
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``), when the first such
+    parameter is made; it costs one attribute check per parameter per step.
 
     Args:
         optimizer: the optimizer about to step.
