@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tests.fsdp.models import import_fsdp
 from tests.harness import device_mesh
@@ -296,7 +296,8 @@ def _state(tmp: str) -> dict[str, Any]:
 
 def _fused_after_full_load() -> dict[str, float]:
     """AdamW steps a ``Shard(1)`` model, its optimizer state goes through a full state dict
-    (contiguous chunks) into a fresh optimizer, which steps again: fused and not."""
+    (contiguous chunks) into a fresh optimizer, which steps again on gradients re-made as
+    contiguous chunks: fused and not."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
@@ -318,6 +319,8 @@ def _fused_after_full_load() -> dict[str, float]:
         resumed = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
         set_optimizer_state_dict(model, resumed, state, options=full_opts)
         model(x).square().mean().backward()
+        for p in model.parameters():  # gradients the user re-made: contiguous chunks
+            p.grad = distribute_tensor(p.grad.full_tensor(), mesh, p.placements)
         resumed.step()
         out[fused] = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
     return {"fused_vs_not": _error(out[True], out[False])}
@@ -325,7 +328,8 @@ def _fused_after_full_load() -> dict[str, float]:
 
 def test_fused_optimizer_steps_loaded_states_of_shard_dim1(ranks):
     # Without fsdp.dim_shard.align_optimizer_states the fused step pairs the loaded
-    # (contiguous) moments with the wrong elements of the dim-first parameter: 1.7e-2 here.
+    # (contiguous) moments, or the re-made gradients, with the wrong elements of the
+    # dim-first parameter: 1.7e-2 here either way.
     for out in ranks.run(2, _fused_after_full_load):
         assert out["fused_vs_not"] <= 1e-6, out
 

@@ -131,11 +131,12 @@ _step_hook: RemovableHandle | None = None
 
 
 def align_optimizer_states(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Before any optimizer step: give each state of a dim-first parameter (a tensor of the
-    parameter's shape: Adam's moments, momentum buffers) the parameter's local strides,
-    copying the values, where it has others (a state loaded from a full state dict). torch's
-    fused kernels pair elements by memory position, so without this a fused step would
-    update the wrong elements. Registered once, as a global optimizer step pre-hook
+    """Before any optimizer step: give the gradient and each state of a dim-first parameter
+    (a tensor of the parameter's shape: Adam's moments, momentum buffers) the parameter's
+    local strides, copying the values, where it has others (a state loaded from a full state
+    dict, a gradient the user assigned). torch's fused kernels pair elements by memory
+    position, so without this a fused step would update the wrong elements. Registered
+    once, as a global optimizer step pre-hook
     (``torch.optim.optimizer.register_optimizer_step_pre_hook``), when the first such
     parameter is made; it costs one attribute check per parameter per step.
 
@@ -149,16 +150,26 @@ def align_optimizer_states(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
         for param in group["params"]:
             if not getattr(param, _DIM_FIRST_ATTR, False):
                 continue
-            state = optimizer.state.get(param)
-            if not state:
-                continue
             local = param._local_tensor
+            if _strided_otherwise(param.grad, param):
+                param.grad = _aligned(param.grad, local)
+            state = optimizer.state.get(param) or {}
             for key, value in state.items():
-                if (isinstance(value, DTensor) and value.shape == param.shape
-                        and value._local_tensor.stride() != local.stride()):
-                    aligned = torch.empty_like(local, dtype=value.dtype)
-                    aligned.copy_(value._local_tensor)
-                    state[key] = DTensor(aligned, value._spec, requires_grad=value.requires_grad)
+                if _strided_otherwise(value, param):
+                    state[key] = _aligned(value, local)
+
+
+def _strided_otherwise(value: object, param: nn.Parameter) -> bool:
+    """Whether ``value`` is a DTensor of ``param``'s shape whose local strides differ."""
+    return (isinstance(value, DTensor) and value.shape == param.shape
+            and value._local_tensor.stride() != param._local_tensor.stride())
+
+
+def _aligned(value: DTensor, like: torch.Tensor) -> DTensor:
+    """``value`` with its local tensor copied into ``like``'s strides."""
+    local = torch.empty_like(like, dtype=value.dtype)
+    local.copy_(value._local_tensor)
+    return DTensor(local, value._spec, requires_grad=value.requires_grad)
 
 
 def _mark_dim_first(param: nn.Parameter) -> None:
