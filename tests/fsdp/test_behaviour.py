@@ -422,3 +422,50 @@ def test_parameter_assigned_after_sharding_is_taken_in_like_fsdp2(ranks):
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
+
+
+class _RecordingEvent:
+    """Stands in for a CUDA event (CPU streams record none): ``wait()`` notes how many
+    collectives had been issued when the root waited on it."""
+
+    def __init__(self, log: list[Any]) -> None:
+        self.log, self.waits = log, []
+
+    def wait(self) -> None:
+        self.waits.append(len(self.log))
+
+
+def _post_optim_event() -> dict[str, Any]:
+    rank, result = dist.get_rank(), {}
+    tokens = batches(RunSpec(steps=3, global_batch=2 * dist.get_world_size()))
+    for with_events in (False, True):
+        model = build_model()
+        shard(model, "fsdp", RunSpec(), device_mesh(dist.get_world_size()))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        events, losses = [], []
+        with record_collectives() as log:
+            for step, batch in enumerate(tokens):
+                mine = batch[rank * 2:(rank + 1) * 2]
+                start = len(log)
+                if with_events and step > 0:  # none set before the first step
+                    events.append(_RecordingEvent(log))
+                    model.set_post_optim_event(events[-1])
+                loss = F.cross_entropy(model(mine[:, :-1]).reshape(-1, VOCAB),
+                                       mine[:, 1:].reshape(-1))
+                if events:
+                    events[-1].waits = [w - start for w in events[-1].waits]
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+        result[with_events] = losses
+    return {"waits": [e.waits for e in events], "losses": result[True], "plain": result[False]}
+
+
+def test_post_optim_event_is_waited_on_once_before_the_first_all_gather(ranks):
+    """FSDP2's ``set_post_optim_event``: the root's next forward waits on the event before
+    any collective of that forward, once (a new event each step), and training is unchanged
+    (the losses equal those of the same run without events)."""
+    for out in ranks.run(2, _post_optim_event):
+        assert out["waits"] == [[0], [0]], out
+        assert out["losses"] == out["plain"], out

@@ -580,9 +580,17 @@ class FSDPModule:
             group.config.all_reduce_hook = hook
 
     def set_post_optim_event(self, event: Any) -> None:
-        """Not supported: fsdp does not use separate CUDA streams for its collectives."""
-        raise NotImplementedError("set_post_optim_event: fsdp runs its collectives without "
-                                  "separate streams, so there is no event to wait on")
+        """Have the root's next forward wait on ``event`` (recorded after the optimizer
+        step) before its first all-gather, then forget it, as FSDP2 does: call it with a new
+        event each step. fsdp issues its collectives from the current stream, so they are
+        ordered after the optimizer step anyway when it ran on that stream; the event orders
+        them after a step run on another stream.
+
+        Args:
+            event: a ``torch.Event`` (or ``torch.cuda.Event``); ``None``, what CPU streams'
+                ``record_event()`` returns, waits on nothing.
+        """
+        self._get_fsdp_state().ctx.post_optim_event = event
 
     def set_reduce_scatter_max_input_buffers(self, max_buffers: int) -> None:
         """Not supported: fsdp keeps exactly one reduce-scatter in flight."""

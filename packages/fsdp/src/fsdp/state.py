@@ -42,6 +42,18 @@ class StepContext:
     reducing: list[FSDPParamGroup] = field(default_factory=list)
     # Backward prefetches waiting for the reduction in flight to finish.
     prefetching: list[FSDPParamGroup] = field(default_factory=list)
+    # FSDP2's post-optimizer event (FSDPModule.set_post_optim_event), used once.
+    post_optim_event: Any = None
+
+    def wait_post_optim_event(self) -> None:
+        """At the root's pre-forward, before the first all-gather: make the current stream
+        wait on the event the user recorded after the optimizer step, then drop it (FSDP2
+        uses each event once). fsdp enqueues its collectives from the current stream, which
+        already orders them after everything issued on it; the wait adds the order of an
+        optimizer step run on another stream. On CPU the events are ``None``."""
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is not None:
+            event.wait()
 
     def finish_reduces(self) -> None:
         """Finish every reduction still in flight, then issue the backward prefetches that
@@ -312,6 +324,7 @@ class FSDPState:
             self._lazy_init()
             if self.ctx.iter_forward_root is None and not recompute:
                 self.ctx.iter_forward_root = self
+                self.ctx.wait_post_optim_event()
                 self.ctx.finish_reduces()
         args, kwargs = self._cast_inputs(args, kwargs)
         for group in self.groups:
