@@ -73,9 +73,10 @@ SYSTEMS = {"fsdp": "fsdp", "fsdp2": "torch.distributed.fsdp"}
 # fsdp's memory knobs, measured as systems of their own: no prefetch and no reduce-scatter in
 # flight (``set_prefetch(False)``, ``set_reduce_in_flight(False)``), memory-first mode on top
 # (``fsdp.optimizer_in_backward``: each group stepped as its reduction lands), and the backward
-# prefetch at the pre-backward (``set_backward_prefetch_start("pre_backward")``).
+# prefetch at the pre-backward (``set_backward_prefetch_start("pre_backward")``), and the
+# defaults with every group in one buffer (``fully_shard(..., backward_split=False)``).
 VARIANTS = {"fsdp_no_overlap": "fsdp", "fsdp_memory_first": "fsdp",
-            "fsdp_prefetch_at_pre_backward": "fsdp"}
+            "fsdp_prefetch_at_pre_backward": "fsdp", "fsdp_no_split": "fsdp"}
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 MODELS = {
     "llama1024": ModelConfig(layers=4, dim=1024, heads=16, ffn=4096, vocab=1000, seq=16,
@@ -372,9 +373,10 @@ def train_and_trace(system: str, cfg: ModelConfig, compute: torch.dtype | None, 
             torch.manual_seed(0)
             model = Llama(cfg)
             policy = api.MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+            options = {"backward_split": False} if variant == "fsdp_no_split" else {}
             for layer in model.layers:
-                api.fully_shard(layer, mesh=mesh, mp_policy=policy)
-            api.fully_shard(model, mesh=mesh, mp_policy=policy)
+                api.fully_shard(layer, mesh=mesh, mp_policy=policy, **options)
+            api.fully_shard(model, mesh=mesh, mp_policy=policy, **options)
             if system == "fsdp":
                 _label_fsdp_buffers(model)
             else:
@@ -382,7 +384,7 @@ def train_and_trace(system: str, cfg: ModelConfig, compute: torch.dtype | None, 
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             if variant == "fsdp_prefetch_at_pre_backward":
                 model.set_backward_prefetch_start("pre_backward")
-            elif variant in VARIANTS:
+            elif variant in ("fsdp_no_overlap", "fsdp_memory_first"):
                 model.set_prefetch(False)
                 model.set_reduce_in_flight(False)
             if variant == "fsdp_memory_first":

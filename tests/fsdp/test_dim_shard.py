@@ -24,6 +24,8 @@ one process in the same test.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import pytest
@@ -200,19 +202,28 @@ def _zero_copy() -> dict[str, Any]:
                 and start <= tensor.data_ptr() < end)
 
     grad_in_buffer: dict[str, bool] = {}
+    hooked: set[str] = set()
+
+    def note(managed: Any, param: torch.Tensor) -> None:  # the first backward's only
+        if managed.name not in grad_in_buffer:
+            grad_in_buffer[managed.name] = in_buffer(param.grad, managed.buffer.grad_buffer)
 
     def check(module: nn.Module, args: Any) -> None:
         for p in fsdp.fully_shard.state(module).group.params:
             weight = p.unsharded_param()
             seen[p.name] = in_buffer(weight, p.buffer.unsharded_buffer)
-            if p.name not in grad_in_buffer:
-                grad_in_buffer[p.name] = False
-                weight.register_post_accumulate_grad_hook(
-                    lambda t, m=p: grad_in_buffer.__setitem__(
-                        m.name, in_buffer(t.grad, m.buffer.grad_buffer)))
+            if p.name not in hooked:
+                hooked.add(p.name)
+                weight.register_post_accumulate_grad_hook(functools.partial(note, p))
 
     model[0].register_forward_pre_hook(check)
     model[2].register_forward_pre_hook(check)
+    # Without gradient sync the gradients stay in the gradient buffers, where this checks
+    # them (with sync a completed buffer is reduced before hooks registered later than
+    # fsdp's run); then a backward with sync gives the sharded gradients.
+    model.set_requires_gradient_sync(False)
+    model(torch.randn(2, 12)).sum().backward()
+    model.set_requires_gradient_sync(True)
     model(torch.randn(2, 12)).sum().backward()
     weight = model[0].weight
     return {"seen": seen, "grads": grad_in_buffer,

@@ -178,13 +178,13 @@ def _prefetch_timing(start: str | None) -> dict[str, Any]:
     prefetches: list[tuple[int, int | None, int, int, bool]] = []
     computed, prefetch = param_group.FSDPParamGroup.grad_computed, state._prefetch_for_backward
 
-    def traced_grad(self: Any) -> None:
+    def traced_grad(self: Any, param: Any) -> None:
         if current[0] is not self:
             current[0], counts[id(self)] = self, 0
         counts[id(self)] += 1
         in_grad_hook[0] = True
         try:
-            computed(self)
+            computed(self, param)
         finally:
             in_grad_hook[0] = False
 

@@ -249,8 +249,8 @@ def _gradient_memory_case(prefetch: bool, in_flight: bool) -> dict[str, Any]:
         post_backward(group, **kwargs)
         in_flight_seen.append(len(ctx.reducing))
 
-    def traced_aim(group: Any, original: Any) -> None:
-        original()
+    def traced_aim(group: Any, original: Any, buffer: Any) -> None:
+        original(buffer)
         # the moment a group's gradient buffer is allocated: count all that are alive
         grad_buffers_seen.append(sum(b.has_grad for g in groups for b in g.trainable_buffers))
 

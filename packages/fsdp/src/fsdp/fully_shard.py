@@ -52,6 +52,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     unit_policy: UnitPolicy | None = None,
     quantize_all_gather: BlockwiseFP8 | None = None,
+    backward_split: bool = True,
 ) -> FSDPModule | list[FSDPModule]:
     """Shard ``module``'s parameters over ``mesh`` as whole units in one flat buffer.
 
@@ -92,6 +93,12 @@ def fully_shard(
         quantize_all_gather: :class:`fsdp.BlockwiseFP8` to all-gather the chosen weights
             as block-wise FP8 (128x128 tiles, one collective, quantized once per step; see
             :mod:`fsdp.fp8`), or ``None``.
+        backward_split: put a large group's trainable parameters in two buffers by
+            backward order (each of at least 4 MiB; see :mod:`fsdp.backward_split`): the
+            first is reduce-scattered, and its unsharded memory freed, while the rest of the
+            group's backward runs, which lowers the peak by about half a group's gradients
+            and parameters, for one more all-gather and reduce-scatter per step. ``False``
+            keeps one buffer per group (FSDP2's collective count).
 
     Returns:
         The module (or modules), whose class is now ``FSDP<Cls>``.
@@ -108,8 +115,8 @@ def fully_shard(
             ``Shard``, uneven ``Shard(d > 0)`` chunks (FSDP2's), ``Shard(d > 0)`` along a
             dim tensor parallelism already cuts or of an FP8-gathered parameter, or CPU
             offload of a mesh that is not on CPU.
-        TypeError: for a ``module``, ``mesh``, ``mp_policy`` or ``unit_policy`` of the
-            wrong type, naming it.
+        TypeError: for a ``module``, ``mesh``, ``mp_policy``, ``unit_policy`` or
+            ``backward_split`` of the wrong type, naming it.
     """
     modules = tuple(module) if isinstance(module, list) else (module,)
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
@@ -134,6 +141,9 @@ def fully_shard(
     if unit_policy is not None and not callable(unit_policy):
         raise TypeError(f"fully_shard: unit_policy must be callable as unit_policy(name, param) "
                         f"-> int, got {type(unit_policy).__name__}")
+    if not isinstance(backward_split, bool):
+        raise TypeError(f"fully_shard: backward_split must be a bool, got "
+                        f"{type(backward_split).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
@@ -170,7 +180,8 @@ def fully_shard(
         raise_on_any_rank(error, mesh.get_group(dim), agree_on=signature(collected, units, dims))
     group = None
     if collected:
-        group = build_group(collected, units, mesh, device, mp_policy, labels, layouts, dims)
+        group = build_group(collected, units, mesh, device, mp_policy, labels, layouts, dims,
+                            backward_split)
         if reshard_after_forward is not None:
             group.config.reshard_after_forward = reshard_after_forward
         if not isinstance(reshard_after_forward, (bool, type(None))):

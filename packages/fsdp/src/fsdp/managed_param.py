@@ -43,7 +43,11 @@ class ManagedParam:
         got_grad: whether autograd delivered a gradient since the last reduction (FSDP2
             gives a sharded ``.grad`` only to parameters that got one).
         on_grad: the group's :meth:`~fsdp.param_group.FSDPParamGroup.grad_computed`,
-            called when a gradient of this parameter is computed, before it is accumulated.
+            called with this parameter when a gradient of it is computed, before it is
+            accumulated.
+        on_accumulated: the group's
+            :meth:`~fsdp.param_group.FSDPParamGroup.grad_accumulated`, called with this
+            parameter once autograd accumulated its gradient.
         _param_fqn: its path from the root module, set at the root's lazy init (FSDP2's
             name for it).
     """
@@ -54,7 +58,8 @@ class ManagedParam:
     sharded: nn.Parameter
     unsharded: nn.Parameter | None = None
     got_grad: bool = False
-    on_grad: Callable[[], None] | None = None
+    on_grad: Callable[[ManagedParam], None] | None = None
+    on_accumulated: Callable[[ManagedParam], None] | None = None
     _param_fqn: str | None = None
 
     @property
@@ -93,7 +98,7 @@ class ManagedParam:
         the group's gradient buffer is allocated and aimed at then, not at pre-backward, so
         it exists only while gradients arrive."""
         if self.on_grad is not None:
-            self.on_grad()
+            self.on_grad(self)
 
     def adopt(self, value: torch.Tensor) -> None:
         """Copy this rank's run of ``value`` (a tensor the user assigned in place of the
@@ -147,6 +152,8 @@ class ManagedParam:
     def _note_grad(self, param: torch.Tensor) -> None:
         del param
         self.got_grad = True
+        if self.on_accumulated is not None:
+            self.on_accumulated(self)
 
     # ------------------------------------------------------------- the unsharded .grad
     def aim_grad(self) -> None:

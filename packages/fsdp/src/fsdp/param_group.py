@@ -5,11 +5,18 @@ per kind: trainable parameters of a dtype, frozen parameters of a dtype). The ve
 the step: :meth:`FSDPParamGroup.unshard` / :meth:`wait_for_unshard` (all-gather in place,
 then register views of the unsharded buffer as the module's parameters), :meth:`reshard`
 (register the sharded DTensor parameters again, free the unsharded memory),
-:meth:`pre_backward` (re-gather, point every unsharded parameter's ``.grad`` at its view of
-the gradient buffer so autograd accumulates straight into it), :meth:`post_backward` (one
-reduce-scatter per buffer), :meth:`finish_reduce` (the sharded ``.grad`` of every parameter
-that got a gradient becomes a RaggedShard view of the reduced gradients, which only the
-``.grad`` tensors keep alive) and :meth:`finalize_backward` (the group's end of a backward).
+:meth:`pre_backward` (re-gather; at a buffer's first gradient every unsharded parameter's
+``.grad`` in it is pointed at its view of the gradient buffer, so autograd accumulates
+straight into it), :meth:`post_backward` (one reduce-scatter per buffer not reduced yet),
+:meth:`finish_reduce` (the sharded ``.grad`` of every parameter that got a gradient becomes a
+RaggedShard view of the reduced gradients, which only the ``.grad`` tensors keep alive) and
+:meth:`finalize_backward` (the group's end of a backward).
+
+A group of several trainable buffers (split by backward order, :mod:`fsdp.backward_split`,
+or by the planner to save padding) reduces each buffer as soon as all of its parameters'
+gradients are accumulated in a backward, while the rest of the group's backward runs, and
+frees its unsharded parameters then: the group's gradient memory and unsharded parameters
+never all exist at once.
 
 The group changes its own training state, through :meth:`use_training_state`; the identity of
 every unsharded ``.grad`` is :class:`fsdp.managed_param.ManagedParam`'s alone. Nothing here
@@ -56,6 +63,31 @@ def in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (a forward then is a
     reentrant checkpoint's recompute)."""
     return torch._C._current_graph_task_id() != -1
+
+
+_GRAPH_WALK_LIMIT = 4096
+"""The most autograd nodes :func:`_holds_reentrant_checkpoint` visits."""
+
+
+def _holds_reentrant_checkpoint(outputs: list[torch.Tensor]) -> bool:
+    """Whether the autograd graph from ``outputs`` back to the group's input boundary (its
+    ``_PostBackward`` nodes) or to leaves holds a reentrant checkpoint's node; ``True`` past
+    :data:`_GRAPH_WALK_LIMIT` nodes."""
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        if len(seen) >= _GRAPH_WALK_LIMIT:
+            return True
+        seen.add(id(node))
+        name = node.name()
+        if name == "CheckpointFunctionBackward":
+            return True
+        if name != "_PostBackwardBackward":
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 class TrainingState(enum.Enum):
@@ -121,13 +153,23 @@ class FSDPParamGroup:
         self.is_unsharded = False
         # Whether a forward with autograd recording ran since the last backward of a step.
         self.ran_grad_forward = False
-        self._pending: list[CollectiveHandle] | None = None
+        # Reductions in flight: each buffer with its reduce-scatter.
+        self._pending: list[tuple[DBuffer, CollectiveHandle]] = []
         # Called with the group when its reduction finished (optimizer in backward).
         self.after_reduce: Callable[[FSDPParamGroup], None] | None = None
         # Called before the group allocates gradient memory (the module state finishes the
-        # reduction in flight there), and whether the .grad views are aimed this backward.
+        # reduction in flight there).
         self.before_grad_memory: Callable[[], None] | None = None
-        self._grads_aimed = False
+        # This backward's bookkeeping, by buffer id: buffers whose .grad views are aimed,
+        # each aimed buffer's parameters whose gradient has not been accumulated yet, buffers
+        # already reduced, and buffers whose unsharded parameters were freed with it.
+        self._aimed: set[int] = set()
+        self._awaiting: dict[int, set[str]] = {}
+        self._reduced_early: set[int] = set()
+        self._resharded_early: set[int] = set()
+        # Whether the last forward recorded a reentrant checkpoint inside the group: its
+        # backward may use a buffer's parameters after their gradients are complete.
+        self.reentrant_inside = False
         # Called once the group's backward reached its prefetch point (half of its gradients
         # computed, or the first with backward_prefetch_start="pre_backward"): the module
         # state starts the waiting backward prefetch there. The point, and the count so far.
@@ -138,6 +180,7 @@ class FSDPParamGroup:
         self._partial_grads: set[str] = set()
         for p in params:
             p.on_grad = self.grad_computed
+            p.on_accumulated = self.grad_accumulated
         self._gathers: list[CollectiveHandle] | None = None
         self._gathered_versions: list[int] = []
         self.quantizer: GroupQuantizer | None = None  # FP8 all-gather (fsdp.fp8)
@@ -222,10 +265,12 @@ class FSDPParamGroup:
         if self._gathers is not None:
             return
         if self.is_unsharded:
-            if self._gathered_versions == self._sharded_versions():
+            fresh = self._gathered_versions == self._sharded_versions()
+            if fresh and not self._resharded_early:
                 return
             # The sharded parameters changed since the gather (an optimizer step while the
-            # group stayed unsharded): the unsharded values are stale, gather again.
+            # group stayed unsharded): the unsharded values are stale, gather again. So
+            # when some buffers were freed after their early reduction.
             self.to_sharded()
         self._adopt_assigned_params()
         if self._uninitialised:
@@ -293,6 +338,7 @@ class FSDPParamGroup:
         """Reshard now, whatever the step: for ``FSDPModule.reshard()``, state dicts and
         ``_apply``, which must see the sharded parameters."""
         self.wait_for_unshard()
+        self._resharded_early.clear()
         if not self.is_unsharded:
             for b in self.buffers:
                 b.free_unsharded()  # drops pieces kept for a smaller group
@@ -355,9 +401,9 @@ class FSDPParamGroup:
         self.unshard()
         self.wait_for_unshard()
 
-    def grad_computed(self) -> None:
-        """A gradient of one of the group's parameters was computed (before autograd
-        accumulates it): the first aims the ``.grad`` views (:meth:`aim_grads`); when half of
+    def grad_computed(self, param: ManagedParam) -> None:
+        """A gradient of ``param`` was computed (before autograd accumulates it): the first
+        of its buffer aims that buffer's ``.grad`` views (:meth:`aim_grads`); when half of
         the group's trainable parameters have had one (after the first, with
         ``backward_prefetch_start="pre_backward"``), :attr:`prefetch_point_reached` runs.
 
@@ -366,35 +412,121 @@ class FSDPParamGroup:
         activations are all still alive and its gradient buffer has just been allocated; by the
         middle of its backward the activations it freed make room for the gathered group,
         which still has the second half of the backward to arrive."""
-        self.aim_grads()
+        if id(param.buffer) in self._reduced_early:
+            self._late_gradient(param)
+        self.aim_grads(param.buffer)
         self._grads_computed += 1
         if self._grads_computed == self._prefetch_point and self.prefetch_point_reached is not None:
             self.prefetch_point_reached()
 
-    def aim_grads(self) -> None:
-        """Called when the first gradient of one of the group's parameters is computed,
-        before autograd accumulates it: finish the reduction in flight (so the previous
-        group's gradient buffer is released before this one is allocated; the reduction
-        overlapped the backward up to here) and aim every parameter's ``.grad`` at the
-        gradient buffer, so autograd accumulates in place."""
-        if self._grads_aimed:
+    def aim_grads(self, buffer: DBuffer) -> None:
+        """Before the first gradient of ``buffer`` in a backward is accumulated: finish the
+        reductions in flight (the previous group's at this group's first gradient, and this
+        group's own early ones, so their gradient memory is released before more is
+        allocated; they overlapped the backward up to here) and aim every parameter's
+        ``.grad`` in the buffer at the gradient buffer, so autograd accumulates in place."""
+        if id(buffer) in self._aimed:
             return
-        self._grads_aimed = True
-        if self.before_grad_memory is not None:
+        first = not self._aimed
+        if first and self.before_grad_memory is not None:
             self.before_grad_memory()
         self.finish_reduce()
-        aimed = 0
-        for p in self.params:
+        self._aimed.add(id(buffer))
+        waiting = self._awaiting[id(buffer)] = set()
+        for p in self._params_of(buffer):
             if p.trainable and p.unsharded is not None:
                 p.aim_grad()
-                aimed += 1
-        pre_backward = self.config.backward_prefetch_start == "pre_backward"
-        self._prefetch_point = 1 if pre_backward else (aimed + 1) // 2
+                waiting.add(p.name)
+        if first:
+            pre_backward = self.config.backward_prefetch_start == "pre_backward"
+            gathered = sum(1 for p in self.params if p.trainable and p.unsharded is not None)
+            self._prefetch_point = 1 if pre_backward else (gathered + 1) // 2
+
+    def grad_accumulated(self, param: ManagedParam) -> None:
+        """Autograd accumulated ``param``'s gradient. When that completes its buffer while
+        other buffers of the group still wait for gradients, the buffer is reduced now
+        (:meth:`_reduce_early`) instead of at the group's post-backward."""
+        waiting = self._awaiting.get(id(param.buffer))
+        if waiting is None:
+            return
+        waiting.discard(param.name)
+        if not waiting and self._may_reduce_early(param.buffer):
+            self._reduce_early(param.buffer)
+
+    def _may_reduce_early(self, buffer: DBuffer) -> bool:
+        """Only in a backward that reached the group's pre-backward, with gradient sync on,
+        and not for HSDP partial sums (``set_requires_all_reduce(False)``), which wait for a
+        later backward's all-reduce; only while another buffer of the group still waits."""
+        if (self.training_state != TrainingState.PRE_BACKWARD or not self.config.reduce_grads
+                or (not self.config.all_reduce and self.mesh.ndim == 2)
+                or buffer.has_grad_stash or buffer.has_partial_reduce):
+            return False
+        return any(b is not buffer and id(b) not in self._reduced_early
+                   and (id(b) not in self._aimed or self._awaiting[id(b)])
+                   for b in self.trainable_buffers)
+
+    def note_forward_graph(self, outputs: list[torch.Tensor]) -> None:
+        """After a forward that autograd recorded (not a recompute inside backward), with
+        several trainable buffers: record whether the group's part of the graph (from its
+        outputs back to its inputs) holds a reentrant checkpoint. Its backward runs as a
+        nested graph task that recomputes the forward from the module's registered
+        parameters and accumulates their gradients a second time, so a buffer whose
+        gradients look complete may still be used: its parameters then stay gathered until
+        the group's post-backward (the early reduction stays, :meth:`_late_gradient` adds
+        a late one). A walk over more than :data:`_GRAPH_WALK_LIMIT` nodes (the group's
+        inputs not hooked, e.g. passed in a closure) counts as holding one."""
+        if len(self.trainable_buffers) < 2:
+            return
+        self.reentrant_inside = _holds_reentrant_checkpoint(outputs)
+
+    def _reduce_early(self, buffer: DBuffer) -> None:
+        """Reduce-scatter ``buffer`` now, while the rest of the group's backward runs: its
+        parameters' gradients are complete (every one accumulated, so autograd has run every
+        node that used them), and, with ``reshard_after_backward``, free its unsharded
+        parameters now, for the same reason, unless a reentrant checkpoint inside the group
+        may use them again (:meth:`note_forward_graph`). The reduction is finished at the
+        next allocation of gradient memory or at the group's post-backward."""
+        params = list(self._params_of(buffer))
+        for p in params:
+            if p.trainable:
+                p.collect_grad()
+        if (self.config.reshard_after_backward and not self.reentrant_inside
+                and self.is_unsharded and self._gathers is None):
+            for p in params:
+                p.register(p.sharded)
+            buffer.free_unsharded()
+            self._resharded_early.add(id(buffer))
+        self._reduced_early.add(id(buffer))
+        with scope(f"FSDP::post_backward_reduce ({self.label})"):
+            self._pending.append((buffer, self._start_reduce(buffer)))
+
+    def _late_gradient(self, param: ManagedParam) -> None:
+        """A gradient of ``param`` arrives after its buffer was reduced in this backward (a
+        parameter used inside and outside a reentrant checkpoint gets a second
+        accumulation): the first reduction is finished and handed to the sharded ``.grad``,
+        the buffer waits for gradients again, and its second reduction adds to that
+        ``.grad`` (reduction is linear, so the sum is exact up to float order).
+
+        Raises:
+            RuntimeError: under :func:`fsdp.optimizer_in_backward`, which stepped on the first
+                reduction already (a second step in one backward would be wrong).
+        """
+        if self.after_reduce is not None:
+            raise RuntimeError(
+                f"fsdp: parameter {param.name!r} of {self.label} got a gradient after its "
+                "buffer was reduced and stepped by optimizer_in_backward in this backward (a "
+                "parameter used inside and outside a reentrant checkpoint?); shard this "
+                "module with fully_shard(..., backward_split=False) and keep every parameter "
+                "of the group in one buffer, or use the ordinary optimizer step")
+        self.finish_reduce()
+        self._reduced_early.discard(id(param.buffer))
+        self._aimed.discard(id(param.buffer))
 
     def post_backward(self) -> bool:
-        """The group's gradients are complete: reduce-scatter them (asynchronously, finished
-        by :meth:`finish_reduce`) unless gradient sync is off or no parameter got a gradient
-        in this backward, and reshard after backward when configured.
+        """The group's gradients are complete: reduce-scatter every buffer not reduced early
+        in this backward (asynchronously, finished by :meth:`finish_reduce`) unless gradient
+        sync is off or no parameter got a gradient in this backward, and reshard after
+        backward when configured.
 
         Returns:
             Whether a reduction was started.
@@ -403,7 +535,8 @@ class FSDPParamGroup:
             return False
         self.training_state = TrainingState.POST_BACKWARD
         self.finish_reduce()
-        self._grads_aimed = False
+        reduced_early = self._reduced_early
+        self._aimed, self._awaiting, self._reduced_early = set(), {}, set()
         self._grads_computed = 0
         trainable = [p for p in self.params if p.trainable]
         for p in trainable:
@@ -421,22 +554,25 @@ class FSDPParamGroup:
         # collective's own staging (gloo clones its input) should not coexist with them.
         if self.config.reshard_after_backward:
             self.reshard()
-        handles: list[CollectiveHandle] = []
+        remaining = [b for b in self.trainable_buffers if id(b) not in reduced_early]
         with scope(f"FSDP::post_backward_reduce ({self.label})"):
-            for buffer in self.trainable_buffers:
-                op = "avg"
-                if self.config.gradient_divide_factor is not None:
-                    kernels.scale_(buffer.grad_buffer, 1.0 / self.config.gradient_divide_factor)
-                    op = "sum"
-                # The unsharded .grad views must not outlive the gradient buffer, which the
-                # reduction may release as soon as it is cast into the reduce dtype.
-                for p in self._params_of(buffer):
-                    p.release_grad(reduced=False)
-                handles.append(buffer.reduce_scatter(op, async_op=True, free_grad=True,
-                                                     reduce_hook=self.config.all_reduce_hook,
-                                                     all_reduce=self.config.all_reduce))
-        self._pending = handles
-        return True
+            for buffer in remaining:  # one no gradient reached reduces zeros
+                self._pending.append((buffer, self._start_reduce(buffer)))
+        return bool(self._pending)
+
+    def _start_reduce(self, buffer: DBuffer) -> CollectiveHandle:
+        """Start ``buffer``'s reduce-scatter (and HSDP all-reduce), dividing as configured."""
+        op = "avg"
+        if self.config.gradient_divide_factor is not None:
+            kernels.scale_(buffer.grad_buffer, 1.0 / self.config.gradient_divide_factor)
+            op = "sum"
+        # The unsharded .grad views must not outlive the gradient buffer, which the
+        # reduction may release as soon as it is cast into the reduce dtype.
+        for p in self._params_of(buffer):
+            p.release_grad(reduced=False)
+        return buffer.reduce_scatter(op, async_op=True, free_grad=True,
+                                     reduce_hook=self.config.all_reduce_hook,
+                                     all_reduce=self.config.all_reduce)
 
     def _stash_grads(self) -> None:
         """Without gradient sync, keep the accumulated gradients in ``reduce_dtype`` when it
@@ -457,25 +593,26 @@ class FSDPParamGroup:
 
     @property
     def reduce_pending(self) -> bool:
-        """Whether a reduction started by :meth:`post_backward` is not finished yet."""
-        return self._pending is not None
+        """Whether a reduction the group started is not finished yet."""
+        return bool(self._pending)
 
     def finish_reduce(self) -> None:
         """Wait for the group's reduce-scatters (if any are in flight), give every
-        parameter that got a gradient its sharded ``.grad`` (running its post-accumulate-grad
-        hooks), and free the unsharded gradient memory. DBuffer then lets go of the sharded
-        gradients: the ``.grad`` tensors alone keep them, so ``zero_grad(set_to_none=True)``
-        frees them."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+        parameter of the reduced buffers that got a gradient its sharded ``.grad`` (running
+        its post-accumulate-grad hooks), and free their unsharded gradient memory. DBuffer
+        then lets go of the sharded gradients: the ``.grad`` tensors alone keep them, so
+        ``zero_grad(set_to_none=True)`` frees them."""
+        pending, self._pending = self._pending, []
+        if not pending:
             return
         with scope(f"FSDP::post_backward_wait ({self.label})"):
-            for handle in pending:
+            for _, handle in pending:
                 handle.wait()
+        reduced = {id(buffer) for buffer, _ in pending}
         reduce_unused = self.config.reduce_scatter_unused_params
         partial = not self.config.all_reduce and self.mesh.ndim == 2
         for p in self.params:
-            if not p.trainable:
+            if not p.trainable or id(p.buffer) not in reduced:
                 continue
             if partial:  # the sums wait for the replicas' all-reduce: no .grad yet
                 if p.got_grad:
@@ -484,8 +621,9 @@ class FSDPParamGroup:
                 p.take_sharded_grad(p.sharded_grad())
             p.release_grad(reduced=True)
         if not partial:
-            self._partial_grads.clear()
-        for buffer in self.trainable_buffers:
+            self._partial_grads.difference_update(
+                p.name for p in self.params if id(p.buffer) in reduced)
+        for buffer, _ in pending:
             buffer.free_grad()
             buffer.free_sharded_grad()
         if self.after_reduce is not None:
@@ -553,12 +691,12 @@ class FSDPParamGroup:
                 handle.wait()
             self._gathers = None
             self.is_unsharded = True
-        pending, self._pending = self._pending, None
-        for handle in pending or ():
+        pending, self._pending = self._pending, []
+        for _, handle in pending:
             handle.wait()
         self.training_state = TrainingState.IDLE
         self.ran_grad_forward = False
-        self._grads_aimed = False
+        self._aimed, self._awaiting, self._reduced_early = set(), {}, set()
         self._grads_computed = 0
         self.post_forward_indices.clear()
         self.reshard()

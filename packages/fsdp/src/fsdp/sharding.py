@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
 
+from fsdp.backward_split import backward_stages
 from fsdp.buffers import make_buffer, sharded_parameter
 from fsdp.dim_shard import (
     DimShard,
@@ -191,15 +192,17 @@ def _plans(members: list[Collected], stored: dict[str, torch.Tensor], units: dic
     own for each ``Shard(d > 0)`` parameter, one chunk per rank (see :mod:`fsdp.dim_shard`;
     the collectives' alignment is dropped where the chunk does not keep it, since every rank
     boundary must fall exactly between chunks)."""
-    rows = [TensorSpec(c.name, stored[c.name].numel(), units[c.name],
-                       tuple(stored[c.name].shape)) for c in members if c.name not in dims]
+    def spec(c: Collected) -> TensorSpec:
+        return TensorSpec(c.name, stored[c.name].numel(), units[c.name],
+                          tuple(stored[c.name].shape))
+
+    rows = [spec(c) for c in members if c.name not in dims]
     plans = plan_buckets(rows, shard_size, align=align, bucket_cost=cost) if rows else []
     for c in members:
         if c.name not in dims:
             continue
         chunk = units[c.name]
-        spec = TensorSpec(c.name, stored[c.name].numel(), chunk, tuple(stored[c.name].shape))
-        plan = plan_buckets([spec], shard_size, align=align if chunk % align == 0 else 1,
+        plan = plan_buckets([spec(c)], shard_size, align=align if chunk % align == 0 else 1,
                             bucket_cost=cost)[0]
         expected = [(r * chunk, (r + 1) * chunk) for r in range(shard_size)]
         if [plan.local_range(c.name, r) for r in range(shard_size)] != expected:
@@ -209,17 +212,32 @@ def _plans(members: list[Collected], stored: dict[str, torch.Tensor], units: dic
     return plans
 
 
+def _stages(members: list[Collected], stored: dict[str, torch.Tensor],
+            dims: dict[str, DimShard]) -> list[list[Collected]]:
+    """The trainable parameters of one kind in two stages by backward order
+    (:mod:`fsdp.backward_split`); ``Shard(d > 0)`` parameters, in buffers of their own
+    anyway, go with the second."""
+    rows = [c for c in members if c.name not in dims]
+    stages = backward_stages(rows, lambda c: stored[c.name].numel() * stored[c.name].itemsize,
+                             lambda c: stored[c.name].dim() > 1)
+    stages[-1].extend(c for c in members if c.name in dims)
+    return stages
+
+
 def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceMesh,
                 device: torch.device, mp_policy: MixedPrecisionPolicy,
                 label: str, layouts: dict[str, TPLayout] | None = None,
-                dims: dict[str, DimShard] | None = None) -> FSDPParamGroup:
+                dims: dict[str, DimShard] | None = None,
+                backward_split: bool = True) -> FSDPParamGroup:
     """Plan, allocate and register the sharded parameters of one group.
 
     Every rank computes the same plans from the same parameter shapes (checked before, by
     ``fully_shard``); each DBuffer checks its plan again with one small collective.
     Tensor-parallel parameters (``layouts``, by name) are planned and stored as their TP-local
     tensors (:mod:`fsdp.tensor_parallel`); ``Shard(d > 0)`` parameters (``dims``, by name)
-    dim-permuted, each in a buffer of its own (:mod:`fsdp.dim_shard`).
+    dim-permuted, each in a buffer of its own (:mod:`fsdp.dim_shard`). With
+    ``backward_split``, large groups' trainable parameters go in two stages of buffers by
+    backward order (:mod:`fsdp.backward_split`).
     """
     layouts = layouts or {}
     dims = dims or {}
@@ -238,8 +256,11 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
         reduce = mp_policy.reduce_dtype or compute
         by_name = {c.name: c for c in members}
         cost = shard_size * _BUCKET_COST_BYTES_PER_RANK // dtype.itemsize
-        for plan in _plans(members, stored, units, dims, shard_size,
-                           _align((dtype, compute, reduce)), cost):
+        stages = _stages(members, stored, dims) if requires_grad and backward_split else [members]
+        plans = [plan for stage in stages
+                 for plan in _plans(stage, stored, units, dims, shard_size,
+                                    _align((dtype, compute, reduce)), cost)]
+        for plan in plans:
             names = [e.name for e in plan.entries]
             meta = [n for n in names if stored[n].is_meta]
             if meta and len(meta) != len(names):

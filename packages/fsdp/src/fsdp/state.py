@@ -409,12 +409,23 @@ class FSDPState:
         through any of them must re-gather the group first."""
         if not torch.is_grad_enabled() or not self.groups:
             return output
+        hooked: list[torch.Tensor] = []
+
         def register(tensor: torch.Tensor) -> torch.Tensor:
             if tensor.requires_grad:
                 tensor.register_hook(self._pre_backward)
+                hooked.append(tensor)
             return tensor
 
-        return _apply_to_tensors(register, output)
+        output = _apply_to_tensors(register, output)
+        if not in_backward():
+            for group in self.groups:
+                group.note_forward_graph(hooked)
+        # _apply_to_tensors' recursive helper is a reference cycle that keeps ``register``,
+        # and so this list, alive until the garbage collector runs: emptied, it does not
+        # keep the outputs' autograd graph (the step's activations) alive with it.
+        hooked.clear()
+        return output
 
     @torch.compiler.disable
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,75 @@
+"""Which trainable parameters of a group share a buffer: two stages in backward order.
+
+A group's gradients arrive over its backward, last-used parameters first (a transformer
+block's MLP, then its attention). With one buffer the whole gradient buffer exists from the
+first gradient to the end of the group's backward, next to all of the unsharded parameters.
+Cut into two buffers by backward order, the first stage's gradients are complete while the
+second stage's backward still runs: :class:`fsdp.param_group.FSDPParamGroup` reduce-scatters
+that buffer then and frees its unsharded parameters and gradients, and the second stage's
+gradient memory is allocated only when its first gradient arrives. At the group's peak only
+one stage's gradients are unsharded.
+
+The order of a backward is not known before it runs; the reverse of the registration order
+is what modules written in forward order give (``nn.Sequential``, transformer blocks whose
+attention is registered before their MLP). Vectors (norm weights, biases) are registered out
+of forward order as often as not (a block's two norms next to each other), so they go to
+the second stage, whose gradients come last anyway: the first stage then completes with its
+last matrix. Where the guess is wrong, the first stage completes later, at worst with the
+group, and nothing but its early reduction is lost.
+
+Each stage must hold at least :data:`MIN_STAGE_BYTES`: a stage is one more all-gather and
+one more reduce-scatter per step, worth it only for large buffers (so small models keep
+one buffer per group, and FSDP2's collective counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+MIN_STAGE_BYTES = 4 << 20
+"""The least unsharded bytes (in the parameters' own dtype) each stage must hold."""
+
+
+def backward_stages(members: Sequence[T], nbytes: Callable[[T], int],
+                    is_matrix: Callable[[T], bool],
+                    min_bytes: int = MIN_STAGE_BYTES) -> list[list[T]]:
+    """Cut ``members`` (a group's trainable parameters of one kind, in registration order)
+    into one or two stages, each in registration order.
+
+    The cut is the point of the matrices' reverse registration order that makes the larger
+    stage smallest (the peak holds one stage's unsharded gradients), among those leaving
+    both stages at least ``min_bytes``; without such a point, one stage.
+
+    Args:
+        members: the parameters, in registration order.
+        nbytes: a parameter's unsharded size in bytes.
+        is_matrix: whether a parameter has two or more dims (vectors go to the second
+            stage).
+        min_bytes: the least bytes of each stage.
+
+    Returns:
+        ``[members]`` or ``[first stage, second stage]``.
+
+    Example:
+        >>> sizes = {"wq": 4, "wo": 4, "w_up": 16, "w_down": 16, "norm": 1}
+        >>> backward_stages(list(sizes), sizes.__getitem__, lambda n: n != "norm", 8)
+        [['w_down'], ['wq', 'wo', 'w_up', 'norm']]
+    """
+    matrices = [m for m in reversed(members) if is_matrix(m)]
+    total = sum(nbytes(m) for m in members)
+    best: tuple[int, int] | None = None
+    first = 0
+    for cut, member in enumerate(matrices[:-1], start=1):
+        first += nbytes(member)
+        if first < min_bytes or total - first < min_bytes:
+            continue
+        larger = max(first, total - first)
+        if best is None or larger < best[0]:
+            best = (larger, cut)
+    if best is None:
+        return [list(members)]
+    early = {id(m) for m in matrices[:best[1]]}
+    return [[m for m in members if id(m) in early], [m for m in members if id(m) not in early]]

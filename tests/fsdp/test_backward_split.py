@@ -1,0 +1,307 @@
+"""Groups split in two buffers by backward order (:mod:`fsdp.backward_split`), and the early
+reduction of a buffer whose gradients are complete (:mod:`fsdp.param_group`).
+
+* The cut: against a brute force over every cut, on random sizes.
+* Training (a model whose blocks exceed the split threshold, world sizes 2 and 3 and a 2x2
+  HSDP mesh): each block holds two trainable buffers; at the first gradient of the second
+  stage the first stage's reduction has finished and its unsharded parameters and gradients
+  are freed; losses and parameters stay as close to one process as FSDP2's do, and the first
+  step's sharded gradients equal FSDP2's to float reordering.
+* Patterns: gradient accumulation without sync, memory-first mode (equal to the ordinary
+  step with the split), a parameter used inside and outside a reentrant checkpoint (its late
+  gradient reduced a second time and added, the first stage kept gathered since the
+  checkpoint's recompute reads it; memory-first mode raises on every rank there), and
+  ``backward_split=False`` (one buffer, the same training to float order).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from fsdp.backward_split import backward_stages
+from tests.fsdp.models import import_fsdp
+from tests.harness import device_mesh
+
+# Each block: MLP 3 x 4 MiB, attention 4 x 1 MiB (fp32): cut into [w_down, w_up] and the rest.
+DIM, FFN, VOCAB, SEQ, BATCH, STEPS = 512, 2048, 64, 8, 2, 3
+
+
+class Block(nn.Module):
+    def __init__(self, reuse_outside: bool = False) -> None:
+        super().__init__()
+        self.attn_norm, self.mlp_norm = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+        self.w_gate, self.w_up = (nn.Linear(DIM, FFN, bias=False) for _ in range(2))
+        self.w_down = nn.Linear(FFN, DIM, bias=False)
+        # w_up also used outside the reentrant checkpoint around the MLP: a late gradient
+        self.reuse_outside = reuse_outside
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attn_norm(x)
+        scores = self.wq(h) @ self.wk(h).transpose(-1, -2) / DIM ** 0.5
+        x = x + self.wo(torch.softmax(scores, dim=-1) @ self.wv(h))
+        h = self.mlp_norm(x)
+        if not self.reuse_outside:
+            return x + self._mlp(h)
+        out = x + checkpoint(self._mlp, h, use_reentrant=True)
+        return out + 0.1 * self.w_up(x)[..., :DIM]
+
+
+class Model(nn.Module):
+    def __init__(self, reuse_outside: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block(reuse_outside) for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def _tokens(world: int) -> torch.Tensor:
+    return torch.randint(VOCAB, (STEPS, world * BATCH, SEQ + 1),
+                         generator=torch.Generator().manual_seed(3))
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def _train(impl: str | None, world: int, *, mesh_shape: tuple[int, ...] | None = None,
+           reuse_outside: bool = False, accumulate: bool = False, in_backward: bool = False,
+           **kwargs: Any) -> dict[str, Any]:
+    """``STEPS`` AdamW steps on the global batch of ``world`` ranks, in one process
+    (``impl=None``) or on this rank's slice, sharded by ``impl`` (``kwargs`` to each
+    ``fully_shard``); ``accumulate`` runs two micro-batches per step, the first without
+    gradient sync; ``in_backward`` steps inside backward (``fsdp.optimizer_in_backward``)."""
+    torch.manual_seed(0)
+    model = Model(reuse_outside)
+    tokens = _tokens(world)
+    watch: dict[str, Any] = {}
+    if impl is not None:
+        api = import_fsdp(impl)
+        names = ("replicate", "shard") if mesh_shape and len(mesh_shape) == 2 else None
+        mesh = device_mesh(*(mesh_shape or (world,)), names=names)
+        for layer in model.layers:
+            api.fully_shard(layer, mesh=mesh, **kwargs)
+        api.fully_shard(model, mesh=mesh, **kwargs)
+        rank = dist.get_rank()
+        tokens = tokens[:, rank * BATCH:(rank + 1) * BATCH]
+        if impl == "fsdp":
+            watch = _watch(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    handle = None
+    if in_backward:
+        import fsdp
+
+        handle = fsdp.optimizer_in_backward(model, optimizer)
+    losses, first_grads = [], {}
+    for step in range(STEPS):
+        batch = tokens[step]
+        if accumulate:
+            model.set_requires_gradient_sync(False)
+            (_loss(model, batch[:1]) / 2).backward()
+            model.set_requires_gradient_sync(True)
+            loss = _loss(model, batch[1:]) / 2
+        else:
+            loss = _loss(model, batch)
+        loss.backward()
+        if impl is not None:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        losses.append(loss.item())
+        if handle is None:
+            if step == 0:
+                first_grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"losses": losses, "first_grads": first_grads,
+            "params": {n: _full(p) for n, p in model.named_parameters()},
+            "buffers": watch.get("buffers"), "seen": watch.get("seen"),
+            "late": watch["late"][0] if watch else None,
+            "reentrant": watch["reentrant"]() if watch else None}
+
+
+def _watch(model: nn.Module) -> dict[str, Any]:
+    """Each block's trainable buffer count, and, at every first gradient of a block's second
+    stage (``wq``'s, the last matrix of its backward), whether the first stage's buffer is
+    still gathered, still holds unsharded gradients, or still reduces."""
+    import fsdp
+
+    seen: list[tuple[bool, bool, bool]] = []
+    counts, late, groups = [], [0], []
+    for layer in model.layers:
+        group = fsdp.fully_shard.state(layer).group
+        groups.append(group)
+        counts.append(len(group.trainable_buffers))
+        late_gradient = group._late_gradient
+
+        def traced_late(param: Any, original: Any = late_gradient) -> None:
+            late[0] += 1
+            original(param)
+
+        group._late_gradient = traced_late
+        first = next(p for p in group.params if p.name == "w_down.weight").buffer
+        wq = next(p for p in group.params if p.name == "wq.weight")
+        original = group.grad_computed
+
+        def traced(param: Any, group: Any = group, first: Any = first, wq: Any = wq,
+                   original: Any = original) -> None:
+            original(param)
+            if param is wq:
+                seen.append((first.is_unsharded, first.has_grad, group.reduce_pending))
+
+        for p in group.params:
+            p.on_grad = traced
+    return {"buffers": counts, "seen": seen, "late": late,
+            "reentrant": lambda: [g.reentrant_inside for g in groups]}
+
+
+def _error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    return max((got[n] - ref[n]).abs().max().item() for n in ref)
+
+
+def _loss_error(got: list[float], ref: list[float]) -> float:
+    return max(abs(a - b) for a, b in zip(got, ref))
+
+
+# ----------------------------------------------------------------------------- the cut
+def test_backward_stages_picks_the_most_balanced_cut_of_the_matrices():
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        names = [f"p{i}" for i in range(n)]
+        sizes = {m: rng.choice([1, 2, 4, 8, 16]) for m in names}
+        matrix = {m: rng.random() < 0.75 for m in names}
+        min_bytes = rng.choice([1, 4, 8, 16])
+        stages = backward_stages(names, sizes.__getitem__, matrix.__getitem__, min_bytes)
+        # brute force: every prefix of the matrices in reverse registration order
+        order = [m for m in reversed(names) if matrix[m]]
+        total = sum(sizes.values())
+        valid = []
+        for cut in range(1, len(order)):
+            first = sum(sizes[m] for m in order[:cut])
+            if first >= min_bytes and total - first >= min_bytes:
+                valid.append((max(first, total - first), cut))
+        if not valid:
+            assert stages == [names]
+            continue
+        best = min(v for v, _ in valid)
+        assert len(stages) == 2 and sorted(stages[0] + stages[1]) == sorted(names)
+        assert all(stage == [m for m in names if m in stage] for stage in stages)
+        assert set(stages[0]) in [set(order[:c]) for v, c in valid if v == best]
+        assert all(matrix[m] for m in stages[0])
+
+
+def test_backward_stages_keep_small_groups_whole_and_vectors_late():
+    sizes = {"attn_norm": 2, "wq": 4, "wk": 4, "wo": 4, "w_gate": 16, "w_up": 16, "w_down": 16}
+    stages = backward_stages(list(sizes), sizes.__getitem__, lambda m: "norm" not in m, 8)
+    assert stages == [["w_up", "w_down"], ["attn_norm", "wq", "wk", "wo", "w_gate"]]
+    assert backward_stages(list(sizes), sizes.__getitem__, lambda m: "norm" not in m, 40) == [
+        list(sizes)]
+
+
+# ---------------------------------------------------------------------------- training
+def _both(world: int, mesh_shape: tuple[int, ...] | None) -> dict[str, Any]:
+    return {impl: _train(impl, world, mesh_shape=mesh_shape) for impl in ("torch", "fsdp")}
+
+
+@pytest.mark.parametrize("world,mesh_shape", [(2, None), (3, None), (4, (2, 2))],
+                         ids=["w2", "w3", "hsdp2x2"])
+def test_split_blocks_reduce_early_and_train_like_fsdp2(ranks, world, mesh_shape):
+    reference = _train(None, world)
+    for out in ranks.run(world, _both, world, mesh_shape):
+        ours, theirs = out["fsdp"], out["torch"]
+        assert ours["buffers"] == [2, 2]
+        # every step, in each block: the first stage reduced, freed and finished by then
+        assert ours["seen"] == [(False, False, False)] * (2 * STEPS), ours["seen"]
+        assert _error(ours["first_grads"], theirs["first_grads"]) <= 1e-6
+        bound = max(2 * _loss_error(theirs["losses"], reference["losses"]), 1e-6)
+        assert _loss_error(ours["losses"], reference["losses"]) <= bound
+        bound = max(2 * _error(theirs["params"], reference["params"]), 1e-6)
+        assert _error(ours["params"], reference["params"]) <= bound
+
+
+def _patterns(world: int) -> dict[str, Any]:
+    return {
+        "accumulate": _train("fsdp", world, accumulate=True),
+        "accumulate_torch": _train("torch", world, accumulate=True),
+        "whole": _train("fsdp", world, backward_split=False),
+        "split": _train("fsdp", world),
+        "in_backward": _train("fsdp", world, in_backward=True),
+        "late": _train("fsdp", world, reuse_outside=True),
+        "late_torch": _train("torch", world, reuse_outside=True),
+    }
+
+
+def test_split_in_accumulation_memory_first_and_late_gradients(ranks):
+    world = 2
+    late_reference = _train(None, world, reuse_outside=True)
+    for out in ranks.run(world, _patterns, world):
+        assert out["whole"]["buffers"] == [1, 1] and out["split"]["buffers"] == [2, 2]
+        # one buffer or two: the same training up to float order
+        assert _error(out["split"]["params"], out["whole"]["params"]) <= 1e-6
+        # memory-first mode with the split steps each parameter once, as the ordinary step
+        assert _error(out["in_backward"]["params"], out["split"]["params"]) <= 1e-6
+        # no reduction without sync: the first stage stays gathered with its gradients
+        no_sync, synced = (True, True, False), (False, False, False)
+        assert out["accumulate"]["seen"] == [no_sync, no_sync, synced, synced] * STEPS
+        assert _error(out["accumulate"]["params"], out["accumulate_torch"]["params"]) <= 1e-6
+        # w_up's second accumulation, after its buffer was reduced: reduced again, added
+        late, late_torch = out["late"], out["late_torch"]
+        assert late["late"] == 2 * STEPS and out["split"]["late"] == 0
+        # the reentrant checkpoint inside each block keeps the first stage gathered
+        assert late["reentrant"] == [True, True] and out["split"]["reentrant"] == [False, False]
+        assert all(gathered for gathered, _, _ in late["seen"]), late["seen"]
+        assert _error(late["first_grads"], late_torch["first_grads"]) <= 1e-6
+        bound = max(2 * _error(late_torch["params"], late_reference["params"]), 1e-6)
+        assert _error(late["params"], late_reference["params"]) <= bound
+
+
+def _late_in_backward() -> str:
+    try:
+        _train("fsdp", dist.get_world_size(), reuse_outside=True, in_backward=True)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_late_gradient_in_memory_first_mode_raises_on_every_rank(ranks):
+    for message in ranks.run(2, _late_in_backward):
+        assert "w_up.weight" in message and "optimizer_in_backward" in message, message
+
+
+def _bad_flag() -> str:
+    import fsdp
+
+    try:
+        fsdp.fully_shard(nn.Linear(4, 4), backward_split="yes")
+    except TypeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_backward_split_must_be_a_bool(ranks):
+    for message in ranks.run(2, _bad_flag):
+        assert "backward_split must be a bool, got str" in message
