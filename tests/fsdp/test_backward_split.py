@@ -8,10 +8,11 @@ reduction of a buffer whose gradients are complete (:mod:`fsdp.param_group`).
   are freed; losses and parameters stay as close to one process as FSDP2's do, and the first
   step's sharded gradients equal FSDP2's to float reordering.
 * Patterns: gradient accumulation without sync, memory-first mode (equal to the ordinary
-  step with the split), a parameter used inside and outside a reentrant checkpoint (its late
-  gradient reduced a second time and added, the first stage kept gathered since the
-  checkpoint's recompute reads it; memory-first mode raises on every rank there), and
-  ``backward_split=False`` (one buffer, the same training to float order).
+  step with the split), ``backward_split=False`` (one buffer, the same training to float
+  order), and a parameter used inside and outside a reentrant checkpoint whose backward runs
+  after the rest of its buffer's: seen in the forward graph, nothing is reduced early; hidden
+  from that walk, its late gradient is reduced a second time and added (memory-first mode
+  raises on every rank there).
 """
 
 from __future__ import annotations
@@ -36,17 +37,22 @@ DIM, FFN, VOCAB, SEQ, BATCH, STEPS = 512, 2048, 64, 8, 2, 3
 
 
 class Block(nn.Module):
-    def __init__(self, reuse_outside: bool = False) -> None:
+    def __init__(self, reuse_outside: bool = False, skip_on_rank1: bool = False) -> None:
         super().__init__()
         self.attn_norm, self.mlp_norm = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
         self.w_gate, self.w_up = (nn.Linear(DIM, FFN, bias=False) for _ in range(2))
         self.w_down = nn.Linear(FFN, DIM, bias=False)
-        # w_up also used outside the reentrant checkpoint around the MLP: a late gradient
+        # w_up also used in a reentrant checkpoint whose backward runs after the MLP's
         self.reuse_outside = reuse_outside
+        # rank 1 leaves w_down unused (as an expert that received no tokens there)
+        self.skip_on_rank1 = skip_on_rank1
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+        hidden = F.silu(self.w_gate(h)) * self.w_up(h)
+        if self.skip_on_rank1 and dist.get_rank() == 1:
+            return hidden[..., :DIM]
+        return self.w_down(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.attn_norm(x)
@@ -55,15 +61,17 @@ class Block(nn.Module):
         h = self.mlp_norm(x)
         if not self.reuse_outside:
             return x + self._mlp(h)
-        out = x + checkpoint(self._mlp, h, use_reentrant=True)
-        return out + 0.1 * self.w_up(x)[..., :DIM]
+        # recorded before the MLP, so its backward (a nested graph task) runs after the
+        # MLP's, when w_up's gradient in the outer task is complete
+        inner = checkpoint(self.w_up, h, use_reentrant=True)[..., :DIM]
+        return x + self._mlp(h) + 0.1 * inner
 
 
 class Model(nn.Module):
-    def __init__(self, reuse_outside: bool = False) -> None:
+    def __init__(self, reuse_outside: bool = False, skip_on_rank1: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block(reuse_outside) for _ in range(2))
+        self.layers = nn.ModuleList(Block(reuse_outside, skip_on_rank1) for _ in range(2))
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -89,13 +97,31 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _train(impl: str | None, world: int, *, mesh_shape: tuple[int, ...] | None = None,
            reuse_outside: bool = False, accumulate: bool = False, in_backward: bool = False,
+           undetected: bool = False, skip_on_rank1: bool = False,
            **kwargs: Any) -> dict[str, Any]:
     """``STEPS`` AdamW steps on the global batch of ``world`` ranks, in one process
     (``impl=None``) or on this rank's slice, sharded by ``impl`` (``kwargs`` to each
     ``fully_shard``); ``accumulate`` runs two micro-batches per step, the first without
-    gradient sync; ``in_backward`` steps inside backward (``fsdp.optimizer_in_backward``)."""
+    gradient sync; ``in_backward`` steps inside backward (``fsdp.optimizer_in_backward``);
+    ``undetected`` hides the reentrant checkpoint from fsdp's forward-graph walk (a nested
+    backward fsdp cannot see) and keeps the parameters gathered after backward, which the
+    checkpoint's recompute reads; ``skip_on_rank1`` leaves ``w_down`` unused on rank 1."""
+    from fsdp import param_group
+
+    walk = param_group._holds_reentrant_checkpoint
     torch.manual_seed(0)
-    model = Model(reuse_outside)
+    if undetected:
+        param_group._holds_reentrant_checkpoint = lambda outputs: False
+    try:
+        return _steps(impl, world, mesh_shape, Model(reuse_outside, skip_on_rank1), accumulate,
+                      in_backward, undetected, kwargs)
+    finally:
+        param_group._holds_reentrant_checkpoint = walk
+
+
+def _steps(impl: str | None, world: int, mesh_shape: tuple[int, ...] | None, model: Model,
+           accumulate: bool, in_backward: bool, undetected: bool,
+           kwargs: dict[str, Any]) -> dict[str, Any]:
     tokens = _tokens(world)
     watch: dict[str, Any] = {}
     if impl is not None:
@@ -109,6 +135,10 @@ def _train(impl: str | None, world: int, *, mesh_shape: tuple[int, ...] | None =
         tokens = tokens[:, rank * BATCH:(rank + 1) * BATCH]
         if impl == "fsdp":
             watch = _watch(model)
+        if undetected:
+            model.set_reshard_after_backward(False)
+        if model.layers[0].skip_on_rank1:  # what FSDP2 asks for conditional control flow
+            model.set_reduce_scatter_unused_params(True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     handle = None
     if in_backward:
@@ -126,13 +156,16 @@ def _train(impl: str | None, world: int, *, mesh_shape: tuple[int, ...] | None =
         else:
             loss = _loss(model, batch)
         loss.backward()
+        if undetected:  # register the sharded parameters the optimizer holds
+            for module in (*model.layers, model):
+                module.reshard()
         if impl is not None:
             loss = loss.detach().clone()
             dist.all_reduce(loss)
             loss /= dist.get_world_size()
         losses.append(loss.item())
         if handle is None:
-            if step == 0:
+            if step == 0 and not model.layers[0].skip_on_rank1:  # a .grad on some ranks only
                 first_grads = {n: _full(p.grad) for n, p in model.named_parameters()}
             optimizer.step()
             optimizer.zero_grad()
@@ -250,14 +283,15 @@ def _patterns(world: int) -> dict[str, Any]:
         "whole": _train("fsdp", world, backward_split=False),
         "split": _train("fsdp", world),
         "in_backward": _train("fsdp", world, in_backward=True),
-        "late": _train("fsdp", world, reuse_outside=True),
-        "late_torch": _train("torch", world, reuse_outside=True),
+        "reentrant": _train("fsdp", world, reuse_outside=True),
+        "reentrant_torch": _train("torch", world, reuse_outside=True),
+        "undetected": _train("fsdp", world, reuse_outside=True, undetected=True),
     }
 
 
-def test_split_in_accumulation_memory_first_and_late_gradients(ranks):
+def test_split_in_accumulation_memory_first_and_reentrant_checkpoints(ranks):
     world = 2
-    late_reference = _train(None, world, reuse_outside=True)
+    reentrant_reference = _train(None, world, reuse_outside=True)
     for out in ranks.run(world, _patterns, world):
         assert out["whole"]["buffers"] == [1, 1] and out["split"]["buffers"] == [2, 2]
         # one buffer or two: the same training up to float order
@@ -268,20 +302,41 @@ def test_split_in_accumulation_memory_first_and_late_gradients(ranks):
         no_sync, synced = (True, True, False), (False, False, False)
         assert out["accumulate"]["seen"] == [no_sync, no_sync, synced, synced] * STEPS
         assert _error(out["accumulate"]["params"], out["accumulate_torch"]["params"]) <= 1e-6
-        # w_up's second accumulation, after its buffer was reduced: reduced again, added
-        late, late_torch = out["late"], out["late_torch"]
-        assert late["late"] == 2 * STEPS and out["split"]["late"] == 0
-        # the reentrant checkpoint inside each block keeps the first stage gathered
-        assert late["reentrant"] == [True, True] and out["split"]["reentrant"] == [False, False]
-        assert all(gathered for gathered, _, _ in late["seen"]), late["seen"]
-        assert _error(late["first_grads"], late_torch["first_grads"]) <= 1e-6
-        bound = max(2 * _error(late_torch["params"], late_reference["params"]), 1e-6)
-        assert _error(late["params"], late_reference["params"]) <= bound
+        # a reentrant checkpoint inside each block: seen in the forward graph, so nothing
+        # is reduced or freed early (its recompute reads w_up after the MLP's backward)
+        reentrant, theirs = out["reentrant"], out["reentrant_torch"]
+        assert reentrant["reentrant"] == [True, True] and out["split"]["reentrant"] == [False, False]
+        assert reentrant["late"] == 0 and all(gathered for gathered, _, _ in reentrant["seen"])
+        assert _error(reentrant["first_grads"], theirs["first_grads"]) <= 1e-6
+        bound = max(2 * _error(theirs["params"], reentrant_reference["params"]), 1e-6)
+        assert _error(reentrant["params"], reentrant_reference["params"]) <= bound
+        # hidden from the walk: the first stage is reduced early, w_up's gradient from the
+        # checkpoint's nested backward arrives late, is reduced again and added
+        undetected = out["undetected"]
+        assert undetected["reentrant"] == [False, False] and undetected["late"] == 2 * STEPS
+        assert _error(undetected["first_grads"], theirs["first_grads"]) <= 1e-6
+        assert _error(undetected["params"], reentrant_reference["params"]) <= bound
+
+
+def _skipping(world: int) -> dict[str, Any]:
+    return {impl: _train(impl, world, skip_on_rank1=True) for impl in ("torch", "fsdp")}
+
+
+def test_a_parameter_without_gradient_on_one_rank_keeps_collectives_in_order(ranks):
+    """Rank 0 completes each block's first buffer and reduces it early, rank 1 (``w_down``
+    unused there) at the post-backward: both issue the backward prefetch and the two
+    reduce-scatters in the same order, and train as FSDP2 does (both with
+    ``set_reduce_scatter_unused_params(True)``, which FSDP2 needs for such control flow)."""
+    for out in ranks.run(2, _skipping, 2, timeout=120):
+        ours, theirs = out["fsdp"], out["torch"]
+        assert _loss_error(ours["losses"], theirs["losses"]) <= 1e-5
+        assert _error(ours["params"], theirs["params"]) <= 1e-5
 
 
 def _late_in_backward() -> str:
     try:
-        _train("fsdp", dist.get_world_size(), reuse_outside=True, in_backward=True)
+        _train("fsdp", dist.get_world_size(), reuse_outside=True, undetected=True,
+               in_backward=True)
     except RuntimeError as error:
         return str(error)
     return "no error"

@@ -515,13 +515,17 @@ class FSDPModule:
         for group in self._get_fsdp_state().groups:
             group.config.unshard_in_backward = unshard_in_backward
 
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool) -> None:
-        """Give parameters that got no gradient a (reduced, zero) ``.grad`` too.
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """Give parameters that got no gradient on this rank the reduced ``.grad`` too (the
+        other ranks' contributions, zero where none got one), as FSDP2 does for conditional
+        control flow (mixture of experts, multi-modal models).
 
         Args:
             reduce_scatter_unused_params: whether to.
+            recurse: also for every sharded submodule (FSDP2's default).
         """
-        for group in self._get_fsdp_state().groups:
+        for group in self._groups(recurse):
             group.config.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_custom_all_gather(self, comm: AllGatherComm) -> None:

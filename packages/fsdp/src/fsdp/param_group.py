@@ -170,6 +170,9 @@ class FSDPParamGroup:
         # Whether the last forward recorded a reentrant checkpoint inside the group: its
         # backward may use a buffer's parameters after their gradients are complete.
         self.reentrant_inside = False
+        # The autograd graph task of the group's backward (set at its pre-backward); a
+        # buffer whose gradients complete inside another (nested) task is not reduced early.
+        self._backward_task = -1
         # Called once the group's backward reached its prefetch point (half of its gradients
         # computed, or the first with backward_prefetch_start="pre_backward"): the module
         # state starts the waiting backward prefetch there. The point, and the count so far.
@@ -397,6 +400,7 @@ class FSDPParamGroup:
         if self.training_state == TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
+        self._backward_task = torch._C._current_graph_task_id()
         self.finish_reduce()
         self.unshard()
         self.wait_for_unshard()
@@ -443,38 +447,47 @@ class FSDPParamGroup:
             self._prefetch_point = 1 if pre_backward else (gathered + 1) // 2
 
     def grad_accumulated(self, param: ManagedParam) -> None:
-        """Autograd accumulated ``param``'s gradient. When that completes its buffer while
-        other buffers of the group still wait for gradients, the buffer is reduced now
-        (:meth:`_reduce_early`) instead of at the group's post-backward."""
+        """Autograd accumulated ``param``'s gradient. When that completes its buffer, in the
+        graph task of the group's backward (a nested task, like a reentrant checkpoint's,
+        may still run nodes that use the buffer's parameters), while other buffers of the
+        group still wait for gradients, the buffer is reduced now (:meth:`_reduce_early`)
+        instead of at the group's post-backward."""
         waiting = self._awaiting.get(id(param.buffer))
         if waiting is None:
             return
         waiting.discard(param.name)
-        if not waiting and self._may_reduce_early(param.buffer):
+        if (not waiting and torch._C._current_graph_task_id() == self._backward_task
+                and self._may_reduce_early(param.buffer)):
             self._reduce_early(param.buffer)
 
     def _may_reduce_early(self, buffer: DBuffer) -> bool:
         """Only in a backward that reached the group's pre-backward, with gradient sync on,
-        and not for HSDP partial sums (``set_requires_all_reduce(False)``), which wait for a
-        later backward's all-reduce; only while another buffer of the group still waits."""
+        not for HSDP partial sums (``set_requires_all_reduce(False)``), which wait for a
+        later backward's all-reduce, and not when a reentrant checkpoint is inside the group
+        (:meth:`note_forward_graph`: its nested backward may bring a late gradient).
+
+        Only the first buffer not reduced yet, and only while a later one is left: every
+        rank then issues the group's reduce-scatters in buffer order, each once per backward,
+        whichever of its parameters got gradients (an expert that received no tokens on one
+        rank leaves its buffer incomplete there, and the buffer is reduced at the group's
+        post-backward instead)."""
         if (self.training_state != TrainingState.PRE_BACKWARD or not self.config.reduce_grads
                 or (not self.config.all_reduce and self.mesh.ndim == 2)
+                or self.reentrant_inside
                 or buffer.has_grad_stash or buffer.has_partial_reduce):
             return False
-        return any(b is not buffer and id(b) not in self._reduced_early
-                   and (id(b) not in self._aimed or self._awaiting[id(b)])
-                   for b in self.trainable_buffers)
+        left = [b for b in self.trainable_buffers if id(b) not in self._reduced_early]
+        return len(left) > 1 and left[0] is buffer
 
     def note_forward_graph(self, outputs: list[torch.Tensor]) -> None:
         """After a forward that autograd recorded (not a recompute inside backward), with
         several trainable buffers: record whether the group's part of the graph (from its
         outputs back to its inputs) holds a reentrant checkpoint. Its backward runs as a
         nested graph task that recomputes the forward from the module's registered
-        parameters and accumulates their gradients a second time, so a buffer whose
-        gradients look complete may still be used: its parameters then stay gathered until
-        the group's post-backward (the early reduction stays, :meth:`_late_gradient` adds
-        a late one). A walk over more than :data:`_GRAPH_WALK_LIMIT` nodes (the group's
-        inputs not hooked, e.g. passed in a closure) counts as holding one."""
+        parameters and may accumulate a parameter's gradient a second time, after its buffer
+        looked complete: such a group reduces every buffer at its post-backward. A walk
+        over more than :data:`_GRAPH_WALK_LIMIT` nodes (the group's inputs not hooked, e.g.
+        passed in a closure) counts as holding one."""
         if len(self.trainable_buffers) < 2:
             return
         self.reentrant_inside = _holds_reentrant_checkpoint(outputs)
@@ -483,29 +496,32 @@ class FSDPParamGroup:
         """Reduce-scatter ``buffer`` now, while the rest of the group's backward runs: its
         parameters' gradients are complete (every one accumulated, so autograd has run every
         node that used them), and, with ``reshard_after_backward``, free its unsharded
-        parameters now, for the same reason, unless a reentrant checkpoint inside the group
-        may use them again (:meth:`note_forward_graph`). The reduction is finished at the
+        parameters first, for the same reason. Then the backward prefetches waiting for this
+        group's prefetch point are issued, before the reduce-scatter, as the group's
+        post-backward would issue them: every rank then issues them before the group's
+        reduce-scatters, whenever its buffers complete. The reduction is finished at the
         next allocation of gradient memory or at the group's post-backward."""
         params = list(self._params_of(buffer))
         for p in params:
             if p.trainable:
                 p.collect_grad()
-        if (self.config.reshard_after_backward and not self.reentrant_inside
-                and self.is_unsharded and self._gathers is None):
+        if self.config.reshard_after_backward and self.is_unsharded and self._gathers is None:
             for p in params:
                 p.register(p.sharded)
             buffer.free_unsharded()
             self._resharded_early.add(id(buffer))
+        if self.prefetch_point_reached is not None:
+            self.prefetch_point_reached()
         self._reduced_early.add(id(buffer))
         with scope(f"FSDP::post_backward_reduce ({self.label})"):
             self._pending.append((buffer, self._start_reduce(buffer)))
 
     def _late_gradient(self, param: ManagedParam) -> None:
         """A gradient of ``param`` arrives after its buffer was reduced in this backward (a
-        parameter used inside and outside a reentrant checkpoint gets a second
-        accumulation): the first reduction is finished and handed to the sharded ``.grad``,
-        the buffer waits for gradients again, and its second reduction adds to that
-        ``.grad`` (reduction is linear, so the sum is exact up to float order).
+        nested backward the forward graph did not show, e.g. ``torch.autograd.backward``
+        called from a hook): the first reduction is finished and handed to the sharded
+        ``.grad``, the buffer waits for gradients again, and its second reduction adds to
+        that ``.grad`` (reduction is linear, so the sum is exact up to float order).
 
         Raises:
             RuntimeError: under :func:`fsdp.optimizer_in_backward`, which stepped on the first
@@ -515,9 +531,8 @@ class FSDPParamGroup:
             raise RuntimeError(
                 f"fsdp: parameter {param.name!r} of {self.label} got a gradient after its "
                 "buffer was reduced and stepped by optimizer_in_backward in this backward (a "
-                "parameter used inside and outside a reentrant checkpoint?); shard this "
-                "module with fully_shard(..., backward_split=False) and keep every parameter "
-                "of the group in one buffer, or use the ordinary optimizer step")
+                "nested backward inside the group's?); shard this module with "
+                "fully_shard(..., backward_split=False), or use the ordinary optimizer step")
         self.finish_reduce()
         self._reduced_early.discard(id(param.buffer))
         self._aimed.discard(id(param.buffer))
