@@ -37,7 +37,8 @@ DIM, FFN, VOCAB, SEQ, BATCH, STEPS = 512, 2048, 64, 8, 2, 3
 
 
 class Block(nn.Module):
-    def __init__(self, reuse_outside: bool = False, skip_on_rank1: bool = False) -> None:
+    def __init__(self, reuse_outside: bool = False, skip_on_rank1: bool = False,
+                 detached_use: bool = False) -> None:
         super().__init__()
         self.attn_norm, self.mlp_norm = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
@@ -47,6 +48,9 @@ class Block(nn.Module):
         self.reuse_outside = reuse_outside
         # rank 1 leaves w_down unused (as an expert that received no tokens there)
         self.skip_on_rank1 = skip_on_rank1
+        # w_up's weight also used detached before the MLP: a saved tensor of its memory
+        # whose node runs after w_up's gradient is complete
+        self.detached_use = detached_use
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         hidden = F.silu(self.w_gate(h)) * self.w_up(h)
@@ -58,6 +62,8 @@ class Block(nn.Module):
         h = self.attn_norm(x)
         scores = self.wq(h) @ self.wk(h).transpose(-1, -2) / DIM ** 0.5
         x = x + self.wo(torch.softmax(scores, dim=-1) @ self.wv(h))
+        if self.detached_use:
+            x = x + 0.1 * F.linear(self.attn_norm(x), self.w_up.weight.detach())[..., :DIM]
         h = self.mlp_norm(x)
         if not self.reuse_outside:
             return x + self._mlp(h)
@@ -68,10 +74,10 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, reuse_outside: bool = False, skip_on_rank1: bool = False) -> None:
+    def __init__(self, *flags: bool) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block(reuse_outside, skip_on_rank1) for _ in range(2))
+        self.layers = nn.ModuleList(Block(*flags) for _ in range(2))
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -97,30 +103,33 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _train(impl: str | None, world: int, *, mesh_shape: tuple[int, ...] | None = None,
            reuse_outside: bool = False, accumulate: bool = False, in_backward: bool = False,
-           undetected: bool = False, skip_on_rank1: bool = False,
-           **kwargs: Any) -> dict[str, Any]:
+           undetected: bool = False, skip_on_rank1: bool = False, detached_use: bool = False,
+           unused_flag: bool = True, **kwargs: Any) -> dict[str, Any]:
     """``STEPS`` AdamW steps on the global batch of ``world`` ranks, in one process
     (``impl=None``) or on this rank's slice, sharded by ``impl`` (``kwargs`` to each
     ``fully_shard``); ``accumulate`` runs two micro-batches per step, the first without
     gradient sync; ``in_backward`` steps inside backward (``fsdp.optimizer_in_backward``);
     ``undetected`` hides the reentrant checkpoint from fsdp's forward-graph walk (a nested
     backward fsdp cannot see) and keeps the parameters gathered after backward, which the
-    checkpoint's recompute reads; ``skip_on_rank1`` leaves ``w_down`` unused on rank 1."""
+    checkpoint's recompute reads; ``skip_on_rank1`` leaves ``w_down`` unused on rank 1 (with
+    ``set_reduce_scatter_unused_params(unused_flag)``); ``detached_use`` also uses ``w_up``
+    detached."""
     from fsdp import param_group
 
     walk = param_group._holds_reentrant_checkpoint
     torch.manual_seed(0)
     if undetected:
-        param_group._holds_reentrant_checkpoint = lambda outputs: False
+        param_group._holds_reentrant_checkpoint = lambda outputs, group: False
     try:
-        return _steps(impl, world, mesh_shape, Model(reuse_outside, skip_on_rank1), accumulate,
-                      in_backward, undetected, kwargs)
+        model = Model(reuse_outside, skip_on_rank1, detached_use)
+        return _steps(impl, world, mesh_shape, model, accumulate, in_backward, undetected,
+                      unused_flag, kwargs)
     finally:
         param_group._holds_reentrant_checkpoint = walk
 
 
 def _steps(impl: str | None, world: int, mesh_shape: tuple[int, ...] | None, model: Model,
-           accumulate: bool, in_backward: bool, undetected: bool,
+           accumulate: bool, in_backward: bool, undetected: bool, unused_flag: bool,
            kwargs: dict[str, Any]) -> dict[str, Any]:
     tokens = _tokens(world)
     watch: dict[str, Any] = {}
@@ -138,7 +147,7 @@ def _steps(impl: str | None, world: int, mesh_shape: tuple[int, ...] | None, mod
         if undetected:
             model.set_reshard_after_backward(False)
         if model.layers[0].skip_on_rank1:  # what FSDP2 asks for conditional control flow
-            model.set_reduce_scatter_unused_params(True)
+            model.set_reduce_scatter_unused_params(unused_flag)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     handle = None
     if in_backward:
@@ -267,8 +276,10 @@ def test_split_blocks_reduce_early_and_train_like_fsdp2(ranks, world, mesh_shape
     for out in ranks.run(world, _both, world, mesh_shape):
         ours, theirs = out["fsdp"], out["torch"]
         assert ours["buffers"] == [2, 2]
-        # every step, in each block: the first stage reduced, freed and finished by then
-        assert ours["seen"] == [(False, False, False)] * (2 * STEPS), ours["seen"]
+        # in each block, the first stage reduced and finished by then; from the second
+        # step on (the first measures what references its memory) also freed
+        assert ours["seen"] == [(True, False, False)] * 2 + [(False, False, False)] * (
+            2 * STEPS - 2), ours["seen"]
         assert _error(ours["first_grads"], theirs["first_grads"]) <= 1e-6
         bound = max(2 * _loss_error(theirs["losses"], reference["losses"]), 1e-6)
         assert _loss_error(ours["losses"], reference["losses"]) <= bound
@@ -300,7 +311,9 @@ def test_split_in_accumulation_memory_first_and_reentrant_checkpoints(ranks):
         assert _error(out["in_backward"]["params"], out["split"]["params"]) <= 1e-6
         # no reduction without sync: the first stage stays gathered with its gradients
         no_sync, synced = (True, True, False), (False, False, False)
-        assert out["accumulate"]["seen"] == [no_sync, no_sync, synced, synced] * STEPS
+        assert out["accumulate"]["seen"] == [no_sync, no_sync, (True, False, False),
+                                             (True, False, False)] + [
+            no_sync, no_sync, synced, synced] * (STEPS - 1)
         assert _error(out["accumulate"]["params"], out["accumulate_torch"]["params"]) <= 1e-6
         # a reentrant checkpoint inside each block: seen in the forward graph, so nothing
         # is reduced or freed early (its recompute reads w_up after the MLP's backward)
@@ -319,18 +332,44 @@ def test_split_in_accumulation_memory_first_and_reentrant_checkpoints(ranks):
 
 
 def _skipping(world: int) -> dict[str, Any]:
-    return {impl: _train(impl, world, skip_on_rank1=True) for impl in ("torch", "fsdp")}
+    out = {impl: _train(impl, world, skip_on_rank1=True) for impl in ("torch", "fsdp")}
+    for split in (True, False):
+        out[f"unflagged_{split}"] = _train("fsdp", world, skip_on_rank1=True, unused_flag=False,
+                                           backward_split=split)
+    return out
 
 
 def test_a_parameter_without_gradient_on_one_rank_keeps_collectives_in_order(ranks):
-    """Rank 0 completes each block's first buffer and reduces it early, rank 1 (``w_down``
-    unused there) at the post-backward: both issue the backward prefetch and the two
-    reduce-scatters in the same order, and train as FSDP2 does (both with
-    ``set_reduce_scatter_unused_params(True)``, which FSDP2 needs for such control flow)."""
+    """Without ``set_reduce_scatter_unused_params``: rank 0 completes each block's first
+    buffer and reduces it early, rank 1 (``w_down`` unused there) at the post-backward; both
+    issue the backward prefetch and the two reduce-scatters in the same order and train as
+    with one buffer per group. With it (FSDP2 needs it for such control flow) nothing is
+    reduced early, and fsdp trains as FSDP2 does."""
     for out in ranks.run(2, _skipping, 2, timeout=120):
+        split, whole = out["unflagged_True"], out["unflagged_False"]
+        assert split["buffers"] == [2, 2] and whole["buffers"] == [1, 1]
+        assert _loss_error(split["losses"], whole["losses"]) <= 1e-6
+        assert _error(split["params"], whole["params"]) <= 1e-6
         ours, theirs = out["fsdp"], out["torch"]
         assert _loss_error(ours["losses"], theirs["losses"]) <= 1e-5
         assert _error(ours["params"], theirs["params"]) <= 1e-5
+
+
+def _detached(world: int) -> dict[str, Any]:
+    return {impl: _train(impl, world, detached_use=True) for impl in ("torch", "fsdp")}
+
+
+def test_memory_a_saved_tensor_still_references_is_not_freed_early(ranks):
+    """``w_up.weight.detach()`` used before the MLP: its saved tensor's node runs after the
+    first buffer's gradients are complete, so that buffer is reduced early but its unsharded
+    parameters stay (freeing them would fail that node); training equals one process as
+    closely as FSDP2's."""
+    reference = _train(None, 2, detached_use=True)
+    for out in ranks.run(2, _detached, 2):
+        ours, theirs = out["fsdp"], out["torch"]
+        assert all(gathered for gathered, _, _ in ours["seen"]), ours["seen"]
+        bound = max(2 * _error(theirs["params"], reference["params"]), 1e-6)
+        assert _error(ours["params"], reference["params"]) <= bound
 
 
 def _late_in_backward() -> str:

@@ -69,10 +69,10 @@ _GRAPH_WALK_LIMIT = 4096
 """The most autograd nodes :func:`_holds_reentrant_checkpoint` visits."""
 
 
-def _holds_reentrant_checkpoint(outputs: list[torch.Tensor]) -> bool:
-    """Whether the autograd graph from ``outputs`` back to the group's input boundary (its
-    ``_PostBackward`` nodes) or to leaves holds a reentrant checkpoint's node; ``True`` past
-    :data:`_GRAPH_WALK_LIMIT` nodes."""
+def _holds_reentrant_checkpoint(outputs: list[torch.Tensor], group: object) -> bool:
+    """Whether the autograd graph from ``outputs`` back to ``group``'s input boundary (its
+    ``_PostBackward`` nodes; a nested group's are walked through) or to leaves holds a
+    reentrant checkpoint's node; ``True`` past :data:`_GRAPH_WALK_LIMIT` nodes."""
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     seen: set[int] = set()
     while stack:
@@ -85,9 +85,15 @@ def _holds_reentrant_checkpoint(outputs: list[torch.Tensor]) -> bool:
         name = node.name()
         if name == "CheckpointFunctionBackward":
             return True
-        if name != "_PostBackwardBackward":
+        if name != "_PostBackwardBackward" or getattr(node, "group", None) is not group:
             stack.extend(next_node for next_node, _ in node.next_functions)
     return False
+
+
+def _storage_refs(buffer: DBuffer) -> int:
+    """References to ``buffer``'s (gathered) unsharded storage: its views, and any tensor
+    autograd saved from them."""
+    return torch._C._storage_Use_Count(buffer.unsharded_buffer.untyped_storage()._cdata)
 
 
 class TrainingState(enum.Enum):
@@ -167,9 +173,12 @@ class FSDPParamGroup:
         self._awaiting: dict[int, set[str]] = {}
         self._reduced_early: set[int] = set()
         self._resharded_early: set[int] = set()
-        # Whether the last forward recorded a reentrant checkpoint inside the group: its
-        # backward may use a buffer's parameters after their gradients are complete.
+        # Whether a forward recorded a reentrant checkpoint inside the group: its backward
+        # may use a buffer's parameters after their gradients are complete.
         self.reentrant_inside = False
+        # Per buffer id: the references to its unsharded storage at the end of the last
+        # backward that freed it at the post-backward (none of the group's saved tensors).
+        self._storage_refs: dict[int, int] = {}
         # The autograd graph task of the group's backward (set at its pre-backward); a
         # buffer whose gradients complete inside another (nested) task is not reduced early.
         self._backward_task = -1
@@ -470,10 +479,13 @@ class FSDPParamGroup:
         rank then issues the group's reduce-scatters in buffer order, each once per backward,
         whichever of its parameters got gradients (an expert that received no tokens on one
         rank leaves its buffer incomplete there, and the buffer is reduced at the group's
-        post-backward instead)."""
+        post-backward instead). Not with ``set_reduce_scatter_unused_params(True)`` either,
+        which FSDP2 asks for exactly such control flow: there the time of a reduction would
+        differ across ranks, and NCCL can deadlock when ranks interleave collectives of
+        different communicators (an expert-parallel all-to-all) in different orders."""
         if (self.training_state != TrainingState.PRE_BACKWARD or not self.config.reduce_grads
                 or (not self.config.all_reduce and self.mesh.ndim == 2)
-                or self.reentrant_inside
+                or self.reentrant_inside or self.config.reduce_scatter_unused_params
                 or buffer.has_grad_stash or buffer.has_partial_reduce):
             return False
         left = [b for b in self.trainable_buffers if id(b) not in self._reduced_early]
@@ -487,16 +499,22 @@ class FSDPParamGroup:
         parameters and may accumulate a parameter's gradient a second time, after its buffer
         looked complete: such a group reduces every buffer at its post-backward. A walk
         over more than :data:`_GRAPH_WALK_LIMIT` nodes (the group's inputs not hooked, e.g.
-        passed in a closure) counts as holding one."""
-        if len(self.trainable_buffers) < 2:
-            return
-        self.reentrant_inside = _holds_reentrant_checkpoint(outputs)
+        passed in a closure) counts as holding one. A reentrant checkpoint whose output
+        leaves the group only as a side output (kept on a module, added to the loss
+        elsewhere) is not seen: its recompute then finds the freed parameters and raises
+        (``fully_shard(..., backward_split=False)`` avoids that)."""
+        if len(self.trainable_buffers) < 2 or self.reentrant_inside:
+            return  # once seen, assumed in every forward (a module may take either path)
+        self.reentrant_inside = _holds_reentrant_checkpoint(outputs, self)
 
     def _reduce_early(self, buffer: DBuffer) -> None:
         """Reduce-scatter ``buffer`` now, while the rest of the group's backward runs: its
         parameters' gradients are complete (every one accumulated, so autograd has run every
-        node that used them), and, with ``reshard_after_backward``, free its unsharded
-        parameters first, for the same reason. Then the backward prefetches waiting for this
+        node that computed a gradient for them), and, with ``reshard_after_backward``, free
+        its unsharded parameters first, when nothing else references their memory any more:
+        no more references to it than at the end of an earlier backward (a node still to
+        run may hold a tensor saved from it, e.g. ``weight.detach()`` used in forward, or a
+        non-reentrant checkpoint's recomputed one; the first backward only measures). Then the backward prefetches waiting for this
         group's prefetch point are issued, before the reduce-scatter, as the group's
         post-backward would issue them: every rank then issues them before the group's
         reduce-scatters, whenever its buffers complete. The reduction is finished at the
@@ -505,7 +523,8 @@ class FSDPParamGroup:
         for p in params:
             if p.trainable:
                 p.collect_grad()
-        if self.config.reshard_after_backward and self.is_unsharded and self._gathers is None:
+        if (self.config.reshard_after_backward and self.is_unsharded and self._gathers is None
+                and _storage_refs(buffer) <= self._storage_refs.get(id(buffer), -1)):
             for p in params:
                 p.register(p.sharded)
             buffer.free_unsharded()
@@ -556,7 +575,9 @@ class FSDPParamGroup:
         trainable = [p for p in self.params if p.trainable]
         for p in trainable:
             p.collect_grad()
-        got_grads = any(p.got_grad for p in trainable) or any(
+        # A buffer reduced early counts: the rest is reduced too, on every rank, whichever
+        # of its parameters got gradients there.
+        got_grads = bool(reduced_early) or any(p.got_grad for p in trainable) or any(
             b.has_grad_stash or b.has_partial_reduce for b in self.trainable_buffers)
         reduce_unused = self.config.reduce_scatter_unused_params and self.ran_grad_forward
         if not self.config.reduce_grads or not (got_grads or reduce_unused):
@@ -568,12 +589,23 @@ class FSDPParamGroup:
         # Reshard first: the unsharded parameters are not needed by the reduction, and the
         # collective's own staging (gloo clones its input) should not coexist with them.
         if self.config.reshard_after_backward:
+            self._note_storage_refs()
             self.reshard()
         remaining = [b for b in self.trainable_buffers if id(b) not in reduced_early]
         with scope(f"FSDP::post_backward_reduce ({self.label})"):
             for buffer in remaining:  # one no gradient reached reduces zeros
                 self._pending.append((buffer, self._start_reduce(buffer)))
         return bool(self._pending)
+
+    def _note_storage_refs(self) -> None:
+        """At the post-backward of a group of several trainable buffers: every node of the
+        group's backward has run, so the references to each gathered buffer's unsharded
+        storage now are those that stay (its views): what :meth:`_reduce_early` compares."""
+        if len(self.trainable_buffers) < 2 or not self.is_unsharded:
+            return
+        for buffer in self.trainable_buffers:
+            if buffer.is_unsharded:
+                self._storage_refs[id(buffer)] = _storage_refs(buffer)
 
     def _start_reduce(self, buffer: DBuffer) -> CollectiveHandle:
         """Start ``buffer``'s reduce-scatter (and HSDP all-reduce), dividing as configured."""
