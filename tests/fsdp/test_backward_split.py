@@ -399,3 +399,44 @@ def _bad_flag() -> str:
 def test_backward_split_must_be_a_bool(ranks):
     for message in ranks.run(2, _bad_flag):
         assert "backward_split must be a bool, got str" in message
+
+
+class _BehindChild(nn.Module):
+    """A reentrant checkpoint inside the group whose output reaches the group's output only
+    through a nested ``fully_shard`` child (and so through the child's own input boundary)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2, self.child = (nn.Linear(8, 8, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(lambda t: torch.tanh(self.w1(t)), self.w2(x), use_reentrant=True)
+        y = self.child(h)
+        return y + self.w1(y)
+
+
+def _behind_child() -> dict[str, Any]:
+    import fsdp
+    from torch.distributed.tensor import Shard
+
+    torch.manual_seed(0)
+    model, reference = _BehindChild(), _BehindChild()
+    reference.load_state_dict(model.state_dict())
+    mesh = device_mesh(dist.get_world_size())
+    fsdp.fully_shard(model.child, mesh=mesh)
+    # Shard(1) gives each weight a buffer of its own: a group of several trainable buffers
+    fsdp.fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(1))
+    errors = []
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        ours, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        model(ours).sum().backward()
+        reference(theirs).sum().backward()
+        errors.append((ours.grad - theirs.grad).abs().max().item())
+    return {"seen": fsdp.fully_shard.state(model).group.reentrant_inside, "errors": errors}
+
+
+def test_reentrant_checkpoint_behind_a_nested_group_is_seen(ranks):
+    for out in ranks.run(2, _behind_child):
+        assert out["seen"] is True
+        assert max(out["errors"]) <= 1e-6, out

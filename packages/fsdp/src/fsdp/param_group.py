@@ -514,11 +514,12 @@ class FSDPParamGroup:
         its unsharded parameters first, when nothing else references their memory any more:
         no more references to it than at the end of an earlier backward (a node still to
         run may hold a tensor saved from it, e.g. ``weight.detach()`` used in forward, or a
-        non-reentrant checkpoint's recomputed one; the first backward only measures). Then the backward prefetches waiting for this
-        group's prefetch point are issued, before the reduce-scatter, as the group's
-        post-backward would issue them: every rank then issues them before the group's
-        reduce-scatters, whenever its buffers complete. The reduction is finished at the
-        next allocation of gradient memory or at the group's post-backward."""
+        non-reentrant checkpoint's recomputed one; the first backward only measures). Then
+        the backward prefetches waiting for this group's prefetch point are issued, before
+        the reduce-scatter, as the group's post-backward would issue them: every rank then
+        issues them before the group's reduce-scatters, whenever its buffers complete. The
+        reduction is finished at the next allocation of gradient memory or at the group's
+        post-backward."""
         params = list(self._params_of(buffer))
         for p in params:
             if p.trainable:
