@@ -119,7 +119,7 @@ def _train(impl: str | None, world: int, *, mesh_shape: tuple[int, ...] | None =
     walk = param_group._holds_reentrant_checkpoint
     torch.manual_seed(0)
     if undetected:
-        param_group._holds_reentrant_checkpoint = lambda outputs, group: False
+        param_group._holds_reentrant_checkpoint = lambda outputs, group, limit: False
     try:
         model = Model(reuse_outside, skip_on_rank1, detached_use)
         return _steps(impl, world, mesh_shape, model, accumulate, in_backward, undetected,
@@ -181,6 +181,7 @@ def _steps(impl: str | None, world: int, mesh_shape: tuple[int, ...] | None, mod
     return {"losses": losses, "first_grads": first_grads,
             "params": {n: _full(p) for n, p in model.named_parameters()},
             "buffers": watch.get("buffers"), "seen": watch.get("seen"),
+            "root_seen": watch.get("root_seen"), "root_stages": watch.get("root_stages"),
             "late": watch["late"][0] if watch else None,
             "reentrant": watch["reentrant"]() if watch else None}
 
@@ -216,7 +217,23 @@ def _watch(model: nn.Module) -> dict[str, Any]:
 
         for p in group.params:
             p.on_grad = traced
-    return {"buffers": counts, "seen": seen, "late": late,
+    # The root, cut where its children are: at the first gradient of the last block, the
+    # stage of the parameters registered after the blocks (norm, head).
+    root = fsdp.fully_shard.state(model).group
+    tail = next(p for p in root.params if p.name == "head.weight").buffer
+    last = groups[-1]
+    root_seen: list[tuple[bool, bool, bool]] = []
+
+    def first_of_last(param: Any, original: Any = last.params[0].on_grad) -> None:
+        original(param)
+        if last._grads_computed == 1:
+            root_seen.append((tail.is_unsharded, tail.has_grad, root.reduce_pending))
+
+    for p in last.params:
+        p.on_grad = first_of_last
+    return {"buffers": counts, "seen": seen, "late": late, "root_seen": root_seen,
+            "root_stages": [[p.name for p in root.params if p.buffer is b]
+                            for b in root.trainable_buffers],
             "reentrant": lambda: [g.reentrant_inside for g in groups]}
 
 
@@ -256,6 +273,32 @@ def test_backward_stages_picks_the_most_balanced_cut_of_the_matrices():
         assert all(matrix[m] for m in stages[0])
 
 
+def test_backward_stages_cut_a_group_around_children_where_they_are():
+    sizes = {"embed": 4, "pos": 1, "norm": 1, "head": 4}
+    after = {"embed": False, "pos": False, "norm": True, "head": True}
+    for min_bytes in (1, 100):  # whatever the size
+        assert backward_stages(list(sizes), sizes.__getitem__, lambda m: m != "norm",
+                               min_bytes, after.__getitem__) == [["norm", "head"],
+                                                                 ["embed", "pos"]]
+    # all on one side of the children: the size rule decides
+    for flag in (True, False):
+        assert backward_stages(list(sizes), sizes.__getitem__, lambda m: m != "norm", 100,
+                               lambda m: flag) == [list(sizes)]
+
+
+def test_managed_modules_mark_what_is_registered_after_the_child_groups():
+    from fsdp.sharding import collect_params, managed_modules
+
+    model = Model(False)
+    marked = {id(layer) for layer in model.layers}
+    collected = collect_params(managed_modules([model], lambda m: id(m) in marked), set())
+    assert {c.name: c.after_children for c in collected} == {
+        "embed.weight": False, "norm.weight": True, "norm.bias": True, "head.weight": True}
+    # no child groups: nothing is "after" them
+    collected = collect_params(managed_modules([model], lambda m: False), set())
+    assert not any(c.after_children for c in collected)
+
+
 def test_backward_stages_keep_small_groups_whole_and_vectors_late():
     sizes = {"attn_norm": 2, "wq": 4, "wk": 4, "wo": 4, "w_gate": 16, "w_up": 16, "w_down": 16}
     stages = backward_stages(list(sizes), sizes.__getitem__, lambda m: "norm" not in m, 8)
@@ -280,6 +323,11 @@ def test_split_blocks_reduce_early_and_train_like_fsdp2(ranks, world, mesh_shape
         # step on (the first measures what references its memory) also freed
         assert ours["seen"] == [(True, False, False)] * 2 + [(False, False, False)] * (
             2 * STEPS - 2), ours["seen"]
+        # the root: its norm and head reduced before the blocks' backward, the same way
+        assert ours["root_stages"] == [["norm.weight", "norm.bias", "head.weight"],
+                                       ["embed.weight"]]
+        assert ours["root_seen"] == [(True, False, False)] + [(False, False, False)] * (
+            STEPS - 1), ours["root_seen"]
         assert _error(ours["first_grads"], theirs["first_grads"]) <= 1e-6
         bound = max(2 * _loss_error(theirs["losses"], reference["losses"]), 1e-6)
         assert _loss_error(ours["losses"], reference["losses"]) <= bound
@@ -440,3 +488,56 @@ def test_reentrant_checkpoint_behind_a_nested_group_is_seen(ranks):
     for out in ranks.run(2, _behind_child):
         assert out["seen"] is True
         assert max(out["errors"]) <= 1e-6, out
+
+
+class _Deep(nn.Module):
+    """A block whose graph is long (many small ops): the root's walk spans all of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(300):
+            x = x * 1.001
+        return self.w(x)
+
+
+def _deep_root() -> dict[str, Any]:
+    import fsdp
+    from fsdp import param_group
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), *(_Deep() for _ in range(16)), nn.Linear(8, 8))
+    mesh = device_mesh(dist.get_world_size())
+    for block in model[1:-1]:
+        fsdp.fully_shard(block, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
+    root = fsdp.fully_shard.state(model).group
+    outputs: list[torch.Tensor] = []
+    walk = param_group._holds_reentrant_checkpoint
+
+    def kept(found: list[torch.Tensor], group: Any, limit: int = 0) -> bool:
+        if group is root:
+            outputs.extend(found)
+        return walk(found, group, limit)
+
+    param_group._holds_reentrant_checkpoint = kept
+    try:
+        model(torch.randn(2, 8)).sum().backward()
+    finally:
+        param_group._holds_reentrant_checkpoint = walk
+    return {"stages": len(root.trainable_buffers), "nested": root.nested_groups,
+            "seen": root.reentrant_inside,
+            "one_group_limit": walk(outputs, root, param_group._GRAPH_WALK_LIMIT)}
+
+
+def test_the_roots_graph_walk_spans_its_blocks(ranks):
+    """A root cut where its blocks are walks the whole forward graph: the walk's budget
+    grows with the groups nested in it, so a deep model's root still reduces early."""
+    for out in ranks.run(2, _deep_root):
+        assert out["stages"] == 2 and out["nested"] == 16
+        # over one group's budget (which would count as a reentrant checkpoint seen) ...
+        assert out["one_group_limit"] is True
+        # ... within the root's: no reentrant checkpoint
+        assert out["seen"] is False

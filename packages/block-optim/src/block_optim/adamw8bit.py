@@ -208,9 +208,12 @@ class AdamW8bit(torch.optim.Optimizer):
                 and is_uneven(param.device_mesh, param.placements, param.shape)):
             # Uneven TP ranks hold TP-local tensors of different sizes: their fp32 threshold,
             # blocks and state sizes would differ, and no global layout describes the state.
+            # The message names the TP placements only: the ragged one's local units
+            # differ across TP ranks, and every rank must raise the same error.
+            tp = tuple(p for p in param.placements if not isinstance(p, RaggedShard))
             raise NotImplementedError(
                 f"AdamW8bit: parameter '{name}' is tensor-parallel with an uneven cut "
-                f"({tuple(param.placements)} of shape {tuple(param.shape)}): its TP ranks hold "
+                f"({tp} of shape {tuple(param.shape)}): its TP ranks hold "
                 "TP-local tensors of different sizes; use an even TP cut, or torch.optim.AdamW, "
                 "Muon or Shampoo for it")
         piece = tp_local_cuts(param) if isinstance(param, DTensor) else None

@@ -20,6 +20,16 @@ group, and nothing but its early reduction is lost.
 Each stage must hold at least :data:`MIN_STAGE_BYTES`: a stage is one more all-gather and
 one more reduce-scatter per step, worth it only for large buffers (so small models keep
 one buffer per group, and FSDP2's collective counts).
+
+A group around other groups (the root: embedding, then the blocks, then the final norm and
+the output head) is cut where its children are instead, whatever its size: the parameters
+registered after its last child (the tail) are used after the children in forward, so their
+gradients arrive before the children's backward and the rest's after it. With one buffer,
+the whole gradient buffer would be allocated at the head's gradient and held, with the
+head's unsharded weight, through every child's backward; cut there, the tail is reduced and
+freed before the first child's backward starts, and the rest's gradient memory is allocated
+at the end. That saving spans the whole backward, so it is worth one more collective pair
+even for a small root.
 """
 
 from __future__ import annotations
@@ -34,12 +44,14 @@ MIN_STAGE_BYTES = 4 << 20
 
 
 def backward_stages(members: Sequence[T], nbytes: Callable[[T], int],
-                    is_matrix: Callable[[T], bool],
-                    min_bytes: int = MIN_STAGE_BYTES) -> list[list[T]]:
+                    is_matrix: Callable[[T], bool], min_bytes: int = MIN_STAGE_BYTES,
+                    after_children: Callable[[T], bool] | None = None) -> list[list[T]]:
     """Cut ``members`` (a group's trainable parameters of one kind, in registration order)
     into one or two stages, each in registration order.
 
-    The cut is the point of the matrices' reverse registration order that makes the larger
+    When some members, but not all, are registered after the group's last child group
+    (``after_children``), those are the first stage and the rest the second. Otherwise the
+    cut is the point of the matrices' reverse registration order that makes the larger
     stage smallest (the peak holds one stage's unsharded gradients), among those leaving
     both stages at least ``min_bytes``; without such a point, one stage.
 
@@ -49,6 +61,8 @@ def backward_stages(members: Sequence[T], nbytes: Callable[[T], int],
         is_matrix: whether a parameter has two or more dims (vectors go to the second
             stage).
         min_bytes: the least bytes of each stage.
+        after_children: whether a parameter is registered after the group's last child
+            group (``None``: the group has none).
 
     Returns:
         ``[members]`` or ``[first stage, second stage]``.
@@ -57,7 +71,15 @@ def backward_stages(members: Sequence[T], nbytes: Callable[[T], int],
         >>> sizes = {"wq": 4, "wo": 4, "w_up": 16, "w_down": 16, "norm": 1}
         >>> backward_stages(list(sizes), sizes.__getitem__, lambda n: n != "norm", 8)
         [['w_down'], ['wq', 'wo', 'w_up', 'norm']]
+        >>> root = ["embed", "norm", "head"]
+        >>> backward_stages(root, lambda n: 1, lambda n: n != "norm",
+        ...                 after_children=lambda n: n != "embed")
+        [['norm', 'head'], ['embed']]
     """
+    if after_children is not None:
+        tail = [m for m in members if after_children(m)]
+        if 0 < len(tail) < len(members):
+            return [tail, [m for m in members if not after_children(m)]]
     matrices = [m for m in reversed(members) if is_matrix(m)]
     total = sum(nbytes(m) for m in members)
     best: tuple[int, int] | None = None

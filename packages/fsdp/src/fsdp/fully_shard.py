@@ -184,12 +184,14 @@ def fully_shard(
                             backward_split)
         if reshard_after_forward is not None:
             group.config.reshard_after_forward = reshard_after_forward
+        group.nested_groups = sum(1 for module in modules for m in module.modules()
+                                  if m is not module and get_state(m) is not None)
         if not isinstance(reshard_after_forward, (bool, type(None))):
             group.post_forward_group = post_forward.post_forward_group(mesh, reshard_after_forward)
         if quantized:
             group.quantizer = GroupQuantizer(quantize_all_gather.format, quantized)
-    for _, m in managed_modules(modules, lambda m: get_state(m) is not None):
-        _move_buffers(m, device)
+    for managed in managed_modules(modules, lambda m: get_state(m) is not None):
+        _move_buffers(managed.module, device)
     FSDPState(modules, group, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
     for m in modules:
         cls = type(m)

@@ -66,20 +66,22 @@ def in_backward() -> bool:
 
 
 _GRAPH_WALK_LIMIT = 4096
-"""The most autograd nodes :func:`_holds_reentrant_checkpoint` visits."""
+"""The most autograd nodes :func:`_holds_reentrant_checkpoint` visits for a group, and for
+each group nested in it (a root's walk spans its blocks' graphs)."""
 
 
-def _holds_reentrant_checkpoint(outputs: list[torch.Tensor], group: object) -> bool:
+def _holds_reentrant_checkpoint(outputs: list[torch.Tensor], group: object,
+                                limit: int = _GRAPH_WALK_LIMIT) -> bool:
     """Whether the autograd graph from ``outputs`` back to ``group``'s input boundary (its
     ``_PostBackward`` nodes; a nested group's are walked through) or to leaves holds a
-    reentrant checkpoint's node; ``True`` past :data:`_GRAPH_WALK_LIMIT` nodes."""
+    reentrant checkpoint's node; ``True`` past ``limit`` nodes."""
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     seen: set[int] = set()
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        if len(seen) >= _GRAPH_WALK_LIMIT:
+        if len(seen) >= limit:
             return True
         seen.add(id(node))
         name = node.name()
@@ -151,6 +153,8 @@ class FSDPParamGroup:
         self.mesh = mesh
         self.mp_policy = mp_policy
         self.buffers = buffers
+        # Buffers are rebuilt (dtype, device) but keep their kind: a fixed count.
+        self._trainable_count = sum(1 for b in buffers if b.trainable)
         self.label = label
         # The modules' path from the root, set at the root's lazy init (FSDP2's name).
         self._module_fqn: str | None = None
@@ -166,6 +170,9 @@ class FSDPParamGroup:
         # Called before the group allocates gradient memory (the module state finishes the
         # reduction in flight there).
         self.before_grad_memory: Callable[[], None] | None = None
+        # Called after the group started an early reduction (the module state tracks it as
+        # the reduction in flight, which the next allocation of gradient memory finishes).
+        self.reduction_started: Callable[[], None] | None = None
         # This backward's bookkeeping, by buffer id: buffers whose .grad views are aimed,
         # each aimed buffer's parameters whose gradient has not been accumulated yet, buffers
         # already reduced, and buffers whose unsharded parameters were freed with it.
@@ -176,9 +183,12 @@ class FSDPParamGroup:
         # Whether a forward recorded a reentrant checkpoint inside the group: its backward
         # may use a buffer's parameters after their gradients are complete.
         self.reentrant_inside = False
+        # The fully_shard modules nested in the group's (set by fully_shard): each widens
+        # the forward-graph walk of note_forward_graph by _GRAPH_WALK_LIMIT nodes.
+        self.nested_groups = 0
         # Per buffer id: the references to its unsharded storage at the end of the last
         # backward that freed it at the post-backward (none of the group's saved tensors).
-        self._storage_refs: dict[int, int] = {}
+        self._settled_refs: dict[int, int] = {}
         # The autograd graph task of the group's backward (set at its pre-backward); a
         # buffer whose gradients complete inside another (nested) task is not reduced early.
         self._backward_task = -1
@@ -498,14 +508,16 @@ class FSDPParamGroup:
         nested graph task that recomputes the forward from the module's registered
         parameters and may accumulate a parameter's gradient a second time, after its buffer
         looked complete: such a group reduces every buffer at its post-backward. A walk
-        over more than :data:`_GRAPH_WALK_LIMIT` nodes (the group's inputs not hooked, e.g.
-        passed in a closure) counts as holding one. A reentrant checkpoint whose output
-        leaves the group only as a side output (kept on a module, added to the loss
-        elsewhere) is not seen: its recompute then finds the freed parameters and raises
+        over more than :data:`_GRAPH_WALK_LIMIT` nodes per group (this one and those nested
+        in it; more means the group's inputs were not hooked, e.g. passed in a closure)
+        counts as holding one. A reentrant checkpoint whose output leaves the group only as
+        a side output (kept on a module, added to the loss elsewhere) is not seen: its
+        recompute then finds the freed parameters and raises
         (``fully_shard(..., backward_split=False)`` avoids that)."""
-        if len(self.trainable_buffers) < 2 or self.reentrant_inside:
+        if self._trainable_count < 2 or self.reentrant_inside:
             return  # once seen, assumed in every forward (a module may take either path)
-        self.reentrant_inside = _holds_reentrant_checkpoint(outputs, self)
+        limit = _GRAPH_WALK_LIMIT * (1 + self.nested_groups)
+        self.reentrant_inside = _holds_reentrant_checkpoint(outputs, self, limit)
 
     def _reduce_early(self, buffer: DBuffer) -> None:
         """Reduce-scatter ``buffer`` now, while the rest of the group's backward runs: its
@@ -525,7 +537,7 @@ class FSDPParamGroup:
             if p.trainable:
                 p.collect_grad()
         if (self.config.reshard_after_backward and self.is_unsharded and self._gathers is None
-                and _storage_refs(buffer) <= self._storage_refs.get(id(buffer), -1)):
+                and _storage_refs(buffer) <= self._settled_refs.get(id(buffer), -1)):
             for p in params:
                 p.register(p.sharded)
             buffer.free_unsharded()
@@ -535,6 +547,8 @@ class FSDPParamGroup:
         self._reduced_early.add(id(buffer))
         with scope(f"FSDP::post_backward_reduce ({self.label})"):
             self._pending.append((buffer, self._start_reduce(buffer)))
+        if self.reduction_started is not None:
+            self.reduction_started()
 
     def _late_gradient(self, param: ManagedParam) -> None:
         """A gradient of ``param`` arrives after its buffer was reduced in this backward (a
@@ -602,11 +616,11 @@ class FSDPParamGroup:
         """At the post-backward of a group of several trainable buffers: every node of the
         group's backward has run, so the references to each gathered buffer's unsharded
         storage now are those that stay (its views): what :meth:`_reduce_early` compares."""
-        if len(self.trainable_buffers) < 2 or not self.is_unsharded:
+        if self._trainable_count < 2 or not self.is_unsharded:
             return
         for buffer in self.trainable_buffers:
             if buffer.is_unsharded:
-                self._storage_refs[id(buffer)] = _storage_refs(buffer)
+                self._settled_refs[id(buffer)] = _storage_refs(buffer)
 
     def _start_reduce(self, buffer: DBuffer) -> CollectiveHandle:
         """Start ``buffer``'s reduce-scatter (and HSDP all-reduce), dividing as configured."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -65,30 +66,50 @@ class Collected:
     # The label of the group that already manages this parameter (shared across groups):
     # FSDP2 shards it again and raises at the root's first forward; so does fsdp.
     shared_with: str | None = None
+    # Registered after the group's last child group (see ManagedModule).
+    after_children: bool = False
+
+
+class ManagedModule(NamedTuple):
+    """A module whose parameters a new group takes, and where it sits among the group's
+    children (modules that already have a ``fully_shard`` state)."""
+
+    prefix: str
+    module: nn.Module
+    # Registered after the last child group, with at least one before it: used after the
+    # children in forward, as a model's final norm and output head (:mod:`fsdp.backward_split`).
+    after_children: bool
 
 
 def managed_modules(modules: Iterable[nn.Module],
-                    is_sharded: Callable[[nn.Module], bool]) -> list[tuple[str, nn.Module]]:
+                    is_sharded: Callable[[nn.Module], bool]) -> list[ManagedModule]:
     """The modules whose parameters a new group takes: ``modules`` and their descendants,
-    not descending into modules that already have a ``fully_shard`` state."""
+    not descending into modules that already have a ``fully_shard`` state, in registration
+    order."""
     modules = list(modules)
-    found: list[tuple[str, nn.Module]] = []
+    visited: list[tuple[str, nn.Module, int]] = []  # with the children seen before it
     seen: set[int] = set()
+    children = 0
 
     def visit(prefix: str, module: nn.Module, root: bool) -> None:
-        if id(module) in seen or (not root and is_sharded(module)):
+        nonlocal children
+        if id(module) in seen:
+            return
+        if not root and is_sharded(module):
+            children += 1
             return
         seen.add(id(module))
-        found.append((prefix, module))
+        visited.append((prefix, module, children))
         for name, child in module.named_children():
             visit(f"{prefix}.{name}" if prefix else name, child, False)
 
     for i, module in enumerate(modules):
         visit(str(i) if len(modules) > 1 else "", module, True)
-    return found
+    return [ManagedModule(prefix, module, 0 < children == before)
+            for prefix, module, before in visited]
 
 
-def collect_params(modules: list[tuple[str, nn.Module]],
+def collect_params(modules: list[ManagedModule],
                    ignored: set[nn.Parameter]) -> list[Collected]:
     """Parameters of ``modules`` in registration order, tied ones once with all their slots.
 
@@ -102,7 +123,7 @@ def collect_params(modules: list[tuple[str, nn.Module]],
         NotImplementedError: for a non-contiguous parameter (as FSDP2).
     """
     by_param: dict[nn.Parameter, Collected] = {}
-    for prefix, module in modules:
+    for prefix, module, after_children in modules:
         for attr, param in module._parameters.items():
             if param is None or param in ignored:
                 continue
@@ -128,7 +149,8 @@ def collect_params(modules: list[tuple[str, nn.Module]],
                                  f"{tuple(param.shape)}); fsdp cannot shard it: exclude it "
                                  "with ignored_params")
             by_param[param] = Collected(name, param, [(module, attr)],
-                                        shared_with=getattr(param, _OWNER_ATTR, None))
+                                        shared_with=getattr(param, _OWNER_ATTR, None),
+                                        after_children=after_children)
     return list(by_param.values())
 
 
@@ -219,7 +241,8 @@ def _stages(members: list[Collected], stored: dict[str, torch.Tensor],
     anyway, go with the second."""
     rows = [c for c in members if c.name not in dims]
     stages = backward_stages(rows, lambda c: stored[c.name].numel() * stored[c.name].itemsize,
-                             lambda c: stored[c.name].dim() > 1)
+                             lambda c: stored[c.name].dim() > 1,
+                             after_children=lambda c: c.after_children)
     stages[-1].extend(c for c in members if c.name in dims)
     return stages
 

@@ -94,6 +94,17 @@ class StepContext:
         if group in self.prefetching:
             self.prefetching.remove(group)
 
+    def track_reduction(self, group: FSDPParamGroup) -> None:
+        """``group`` started a reduction of its own, before its post-backward (an early one,
+        :meth:`FSDPParamGroup._reduce_early`): it is the reduction in flight, finished
+        before the next allocation of gradient memory, by any group (the root's output head
+        is reduced before the blocks' backward, whose first gradient then finishes it);
+        at once where the group's ``reduce_in_flight`` is off."""
+        if not group.config.reduce_in_flight:
+            group.finish_reduce()
+        elif group not in self.reducing:
+            self.reducing.append(group)
+
     def post_backward(self, group: FSDPParamGroup, *, last: bool | None = None) -> None:
         """Run ``group``'s post-backward (its ``finalize_backward`` at the end of a backward,
         when ``last`` is given) with at most one reduction in flight: the previous one
@@ -160,6 +171,7 @@ class FSDPState:
         if group is not None:
             group.before_grad_memory = lambda: self.ctx.finish_reductions()
             group.prefetch_point_reached = lambda: self.ctx.issue_prefetches()
+            group.reduction_started = lambda: self.ctx.track_reduction(group)
         self.mp_policy = mp_policy
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.is_root: bool | None = None
