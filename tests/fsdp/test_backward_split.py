@@ -218,16 +218,17 @@ def _watch(model: nn.Module) -> dict[str, Any]:
         for p in group.params:
             p.on_grad = traced
     # The root, cut where its children are: at the first gradient of the last block, the
-    # stage of the parameters registered after the blocks (norm, head).
+    # stages of the parameters registered after the blocks (head; norm).
     root = fsdp.fully_shard.state(model).group
-    tail = next(p for p in root.params if p.name == "head.weight").buffer
+    tails = root.trainable_buffers[:-1]
     last = groups[-1]
     root_seen: list[tuple[bool, bool, bool]] = []
 
     def first_of_last(param: Any, original: Any = last.params[0].on_grad) -> None:
         original(param)
         if last._grads_computed == 1:
-            root_seen.append((tail.is_unsharded, tail.has_grad, root.reduce_pending))
+            root_seen.append((any(b.is_unsharded for b in tails), any(b.has_grad for b in tails),
+                              root.reduce_pending))
 
     for p in last.params:
         p.on_grad = first_of_last
@@ -276,13 +277,17 @@ def test_backward_stages_picks_the_most_balanced_cut_of_the_matrices():
 def test_backward_stages_cut_a_group_around_children_where_they_are():
     sizes = {"embed": 4, "pos": 1, "norm": 1, "head": 4}
     after = {"embed": False, "pos": False, "norm": True, "head": True}
-    for min_bytes in (1, 100):  # whatever the size
-        assert backward_stages(list(sizes), sizes.__getitem__, lambda m: m != "norm",
-                               min_bytes, after.__getitem__) == [["norm", "head"],
-                                                                 ["embed", "pos"]]
+    matrix = {"embed": True, "pos": False, "norm": False, "head": True}
+    for min_bytes in (1, 100):  # whatever the size: the tail's matrices, its vectors, the rest
+        assert backward_stages(list(sizes), sizes.__getitem__, matrix.__getitem__, min_bytes,
+                               after.__getitem__) == [["head"], ["norm"], ["embed", "pos"]]
+    # a tail of vectors only (a head tied to the embedding): two stages
+    tied = {"embed": False, "pos": False, "norm": True}
+    assert backward_stages(list(tied), sizes.__getitem__, matrix.__getitem__, 100,
+                           tied.__getitem__) == [["norm"], ["embed", "pos"]]
     # all on one side of the children: the size rule decides
     for flag in (True, False):
-        assert backward_stages(list(sizes), sizes.__getitem__, lambda m: m != "norm", 100,
+        assert backward_stages(list(sizes), sizes.__getitem__, matrix.__getitem__, 100,
                                lambda m: flag) == [list(sizes)]
 
 
@@ -323,8 +328,8 @@ def test_split_blocks_reduce_early_and_train_like_fsdp2(ranks, world, mesh_shape
         # step on (the first measures what references its memory) also freed
         assert ours["seen"] == [(True, False, False)] * 2 + [(False, False, False)] * (
             2 * STEPS - 2), ours["seen"]
-        # the root: its norm and head reduced before the blocks' backward, the same way
-        assert ours["root_stages"] == [["norm.weight", "norm.bias", "head.weight"],
+        # the root: its head and its norm reduced before the blocks' backward, the same way
+        assert ours["root_stages"] == [["head.weight"], ["norm.weight", "norm.bias"],
                                        ["embed.weight"]]
         assert ours["root_seen"] == [(True, False, False)] + [(False, False, False)] * (
             STEPS - 1), ours["root_seen"]
@@ -536,7 +541,7 @@ def test_the_roots_graph_walk_spans_its_blocks(ranks):
     """A root cut where its blocks are walks the whole forward graph: the walk's budget
     grows with the groups nested in it, so a deep model's root still reduces early."""
     for out in ranks.run(2, _deep_root):
-        assert out["stages"] == 2 and out["nested"] == 16
+        assert out["stages"] == 3 and out["nested"] == 16  # last weight, its bias, the first
         # over one group's budget (which would count as a reentrant checkpoint seen) ...
         assert out["one_group_limit"] is True
         # ... within the root's: no reentrant checkpoint

@@ -29,7 +29,11 @@ the whole gradient buffer would be allocated at the head's gradient and held, wi
 head's unsharded weight, through every child's backward; cut there, the tail is reduced and
 freed before the first child's backward starts, and the rest's gradient memory is allocated
 at the end. That saving spans the whole backward, so it is worth one more collective pair
-even for a small root.
+even for a small root. The tail's vectors (the final norm) get a buffer of their own, after
+its matrices (used last in forward, so their gradients come first): a norm weight beside the
+head's rows would leave the head's buffer no cut into equal whole rows (1,000 rows and a
+1,024-element vector make no two equal halves), and a vector alone is cut anywhere, as FSDP2
+cuts it.
 """
 
 from __future__ import annotations
@@ -47,11 +51,11 @@ def backward_stages(members: Sequence[T], nbytes: Callable[[T], int],
                     is_matrix: Callable[[T], bool], min_bytes: int = MIN_STAGE_BYTES,
                     after_children: Callable[[T], bool] | None = None) -> list[list[T]]:
     """Cut ``members`` (a group's trainable parameters of one kind, in registration order)
-    into one or two stages, each in registration order.
+    into stages in backward order, each in registration order.
 
     When some members, but not all, are registered after the group's last child group
-    (``after_children``), those are the first stage and the rest the second. Otherwise the
-    cut is the point of the matrices' reverse registration order that makes the larger
+    (``after_children``), those come first, their matrices then their vectors (each stage
+    left out when empty), and the rest last: two or three stages. Otherwise the cut is the point of the matrices' reverse registration order that makes the larger
     stage smallest (the peak holds one stage's unsharded gradients), among those leaving
     both stages at least ``min_bytes``; without such a point, one stage.
 
@@ -65,7 +69,7 @@ def backward_stages(members: Sequence[T], nbytes: Callable[[T], int],
             group (``None``: the group has none).
 
     Returns:
-        ``[members]`` or ``[first stage, second stage]``.
+        ``[members]``, or two or three stages.
 
     Example:
         >>> sizes = {"wq": 4, "wo": 4, "w_up": 16, "w_down": 16, "norm": 1}
@@ -74,12 +78,14 @@ def backward_stages(members: Sequence[T], nbytes: Callable[[T], int],
         >>> root = ["embed", "norm", "head"]
         >>> backward_stages(root, lambda n: 1, lambda n: n != "norm",
         ...                 after_children=lambda n: n != "embed")
-        [['norm', 'head'], ['embed']]
+        [['head'], ['norm'], ['embed']]
     """
     if after_children is not None:
         tail = [m for m in members if after_children(m)]
         if 0 < len(tail) < len(members):
-            return [tail, [m for m in members if not after_children(m)]]
+            stages = ([m for m in tail if is_matrix(m)], [m for m in tail if not is_matrix(m)],
+                      [m for m in members if not after_children(m)])
+            return [stage for stage in stages if stage]
     matrices = [m for m in reversed(members) if is_matrix(m)]
     total = sum(nbytes(m) for m in members)
     best: tuple[int, int] | None = None
