@@ -1,8 +1,11 @@
 """Render ``benchmarks/results/all.json`` (written by ``run_all.py``) as ``docs/benchmarks.md``
 with PNG plots under ``docs/img/benchmarks/``.
 
-The page is generated: edit this renderer, not the page. Plots use matplotlib's Agg backend,
-so no display is needed.
+The page is generated: edit this renderer, not the page. What was measured after the run
+(a later release's figures, context a reader needs) goes in ``benchmarks/page_notes.md``, one
+``## <section>`` per place on the page (``settings``, ``train_step``, ``memory``,
+``hook_overhead``), and is rendered there, so a new run keeps it. Plots use matplotlib's Agg
+backend, so no display is needed.
 
     python benchmarks/render_page.py [--results benchmarks/results/all.json] [--docs docs]
 """
@@ -22,6 +25,35 @@ import matplotlib.pyplot as plt  # noqa: E402
 HERE = Path(__file__).resolve().parent
 IMG = Path("img") / "benchmarks"
 MB = 2**20
+NOTES = HERE / "page_notes.md"
+NOTE_SECTIONS = ("settings", "train_step", "memory", "hook_overhead")
+
+
+def read_notes(path: Path) -> dict[str, list[str]]:
+    """The notes of ``path`` by section: the lines under each ``## <section>`` header.
+
+    Raises:
+        ValueError: for a section the page has no place for.
+    """
+    notes: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            name = line[3:].strip()
+            if name not in NOTE_SECTIONS:
+                raise ValueError(f"{path}: unknown section {name!r}; one of {NOTE_SECTIONS}")
+            current = notes.setdefault(name, [])
+        elif current is not None:
+            current.append(line)
+    return {name: _strip_blank(lines) + [""] for name, lines in notes.items()}
+
+
+def _strip_blank(lines: list[str]) -> list[str]:
+    while lines and not lines[0].strip():
+        lines = lines[1:]
+    while lines and not lines[-1].strip():
+        lines = lines[:-1]
+    return lines
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
@@ -78,7 +110,7 @@ def _padding_plot(padding: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _train_section(ratios: dict[str, Any], img: Path) -> list[str]:
+def _train_section(ratios: dict[str, Any], img: Path, notes: dict[str, list[str]]) -> list[str]:
     rows = _train_rows(ratios["train_step"])
     _bar_plot(rows, "step_time", "Training step time, fsdp / FSDP2", img / "step_time_ratio.png")
     _bar_plot(rows, "peak_memory", "Peak memory over baseline, fsdp / FSDP2",
@@ -103,7 +135,8 @@ def _train_section(ratios: dict[str, Any], img: Path) -> list[str]:
                     f"{f['fsdp2_step_ms']:.1f} | {f['step_time']:.2f} | "
                     f"{f['fsdp_peak_bytes'] / MB:.1f} | {f['fsdp2_peak_bytes'] / MB:.1f} | "
                     f"{f['peak_memory']:.2f} | {c['fsdp'] / MB:.2f} | {c['fsdp2'] / MB:.2f} |")
-    lines += ["", f"![Step time ratio]({(IMG / 'step_time_ratio.png').as_posix()})", "",
+    lines += [""] + notes.get("train_step", [])
+    lines += [f"![Step time ratio]({(IMG / 'step_time_ratio.png').as_posix()})", "",
               f"![Memory ratio]({(IMG / 'memory_ratio.png').as_posix()})", ""]
     return lines
 
@@ -158,7 +191,8 @@ def _memory_plot(memory: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _memory_section(ratios: dict[str, Any], img: Path) -> list[str]:
+def _memory_section(ratios: dict[str, Any], img: Path,
+                    notes: dict[str, list[str]]) -> list[str]:
     lines = ["## Memory per phase: fsdp vs FSDP2", ""]
     memory = ratios.get("memory")
     if memory:
@@ -173,6 +207,7 @@ def _memory_section(ratios: dict[str, Any], img: Path) -> list[str]:
             "1 per rank (parameters dominate); `train_step`: `train_step.py`'s model "
             "(activations dominate).", "",
             f"![Memory per phase]({(IMG / 'memory_phases.png').as_posix()})", "",
+            *notes.get("memory", []),
             "| model precision ranks | phase | fsdp MB | FSDP2 MB | ratio |",
             "|---|---|---:|---:|---:|"]
         for key, entry in memory.items():
@@ -197,7 +232,7 @@ def _memory_section(ratios: dict[str, Any], img: Path) -> list[str]:
             "`benchmarks/hook_overhead.py`: CPU time of the training thread inside each "
             "system's hooks per step (waiting on gloo excluded), 8 blocks of 24 small "
             f"`nn.Linear`: fsdp {h['fsdp_ms']:.1f} ms, FSDP2 {h['fsdp2_ms']:.1f} ms, ratio "
-            f"{h['ratio']:.2f}.", ""]
+            f"{h['ratio']:.2f}.", "", *notes.get("hook_overhead", [])]
     return lines
 
 
@@ -221,16 +256,19 @@ def _padding_section(padding: dict[str, Any], img: Path) -> list[str]:
     return lines + [""]
 
 
-def render(report: dict[str, Any], docs: Path) -> Path:
-    """Write ``docs/benchmarks.md`` and its plots from a ``run_all.py`` report; the page's path."""
+def render(report: dict[str, Any], docs: Path,
+           notes: dict[str, list[str]] | None = None) -> Path:
+    """Write ``docs/benchmarks.md`` and its plots from a ``run_all.py`` report, with ``notes``
+    (:func:`read_notes`) in their sections; the page's path."""
+    notes = notes or {}
     img = docs / IMG
     img.mkdir(parents=True, exist_ok=True)
     ratios = report["ratios"]
     machine = report["machine"]
     lines = [
         "# Benchmarks", "",
-        "Generated by `benchmarks/render_page.py` from `benchmarks/results/all.json`; do not edit "
-        "by hand.", "",
+        "Generated by `benchmarks/render_page.py` from `benchmarks/results/all.json` and the "
+        "notes measured since, `benchmarks/page_notes.md`; do not edit by hand.", "",
         '!!! warning "CPU figures, not GPU figures"',
         "    Every timing here comes from CPU gloo ranks (one thread each) on a shared 2-core "
         "machine. They are noisy and say nothing about GPU step times; ratios compare systems "
@@ -246,13 +284,14 @@ def render(report: dict[str, Any], docs: Path) -> Path:
     if report.get("settings"):
         lines += ['??? note "Each script\'s settings in this run"']
         lines += [f"    - `{key}`: `{cmd}`" for key, cmd in report["settings"].items()] + [""]
+        lines += notes.get("settings", [])
     if report.get("failed"):
         lines += ["Benchmarks that failed in this run: "
                   + ", ".join(f"`{k}`" for k in report["failed"]) + ".", ""]
     if "train_step" in ratios:
-        lines += _train_section(ratios, img)
+        lines += _train_section(ratios, img, notes)
     if "memory" in ratios or "hook_overhead" in ratios:
-        lines += _memory_section(ratios, img)
+        lines += _memory_section(ratios, img, notes)
     lines += _components_section(ratios)
     if "padding" in ratios:
         lines += _padding_section(ratios["padding"], img)
@@ -265,8 +304,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=HERE / "results" / "all.json")
     parser.add_argument("--docs", type=Path, default=HERE.parent / "docs")
+    parser.add_argument("--notes", type=Path, default=NOTES)
     args = parser.parse_args()
-    print(f"wrote {render(json.loads(args.results.read_text()), args.docs)}")
+    notes = read_notes(args.notes) if args.notes.exists() else {}
+    print(f"wrote {render(json.loads(args.results.read_text()), args.docs, notes)}")
 
 
 if __name__ == "__main__":

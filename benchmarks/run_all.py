@@ -304,9 +304,9 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"[run_all] wrote {out} in {report['wall_s']['total']:.0f} s")
     if not (args.no_render or args.quick):
-        from render_page import render
+        from render_page import NOTES, read_notes, render
 
-        render(report, HERE.parent / "docs")
+        render(report, HERE.parent / "docs", read_notes(NOTES) if NOTES.exists() else None)
 
 
 def _torch_version() -> str:

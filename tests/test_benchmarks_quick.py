@@ -2,11 +2,13 @@
 
 The real benchmarks take minutes; here every script's JSON is a small synthetic one with known
 figures, the padding sweep is the real one at two world sizes, and the test checks that the
-ratios the issue asks for come out right and that the page and its plots are written.
+ratios the issue asks for come out right and that the page and its plots are written; the
+committed page must be the rendering of the committed results and notes.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,25 @@ def test_ratios_and_page(tmp_path: Path) -> None:
         png = tmp_path / "img" / "benchmarks" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"img/benchmarks/{name}.png" in page
+
+
+def test_notes_render_in_their_sections_and_unknown_ones_raise(tmp_path: Path) -> None:
+    render_page = load_benchmark("render_page")
+    notes = tmp_path / "notes.md"
+    notes.write_text("intro, not rendered\n## settings\n\nSETTINGS NOTE\n\n## hook_overhead\nHOOK NOTE\n")
+    assert render_page.read_notes(notes) == {"settings": ["SETTINGS NOTE", ""],
+                                             "hook_overhead": ["HOOK NOTE", ""]}
+    notes.write_text("## nowhere\ntext\n")
+    with pytest.raises(ValueError, match="nowhere"):
+        render_page.read_notes(notes)
+
+
+def test_the_committed_page_is_the_rendering_of_its_sources(tmp_path: Path) -> None:
+    """docs/benchmarks.md says "do not edit by hand": it must be what render_page.py makes
+    of results/all.json and page_notes.md, so a new run loses nothing written since."""
+    pytest.importorskip("matplotlib")
+    render_page = load_benchmark("render_page")
+    report = json.loads((render_page.HERE / "results" / "all.json").read_text())
+    page = render_page.render(report, tmp_path, render_page.read_notes(render_page.NOTES))
+    committed = render_page.HERE.parent / "docs" / "benchmarks.md"
+    assert page.read_text() == committed.read_text()
