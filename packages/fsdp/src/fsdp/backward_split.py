@@ -1,4 +1,4 @@
-"""Which trainable parameters of a group share a buffer: two stages in backward order.
+"""Which trainable parameters of a group share a buffer: stages in backward order.
 
 A group's gradients arrive over its backward, last-used parameters first (a transformer
 block's MLP, then its attention). With one buffer the whole gradient buffer exists from the
@@ -28,8 +28,8 @@ gradients arrive before the children's backward and the rest's after it. With on
 the whole gradient buffer would be allocated at the head's gradient and held, with the
 head's unsharded weight, through every child's backward; cut there, the tail is reduced and
 freed before the first child's backward starts, and the rest's gradient memory is allocated
-at the end. That saving spans the whole backward, so it is worth one more collective pair
-even for a small root. The tail's vectors (the final norm) get a buffer of their own, after
+at the end. That saving spans the whole backward, so it is worth one or two more
+collective pairs even for a small root. The tail's vectors (the final norm) get a buffer of their own, after
 its matrices (used last in forward, so their gradients come first): a norm weight beside the
 head's rows would leave the head's buffer no cut into equal whole rows (1,000 rows and a
 1,024-element vector make no two equal halves), and a vector alone is cut anywhere, as FSDP2
@@ -55,15 +55,15 @@ def backward_stages(members: Sequence[T], nbytes: Callable[[T], int],
 
     When some members, but not all, are registered after the group's last child group
     (``after_children``), those come first, their matrices then their vectors (each stage
-    left out when empty), and the rest last: two or three stages. Otherwise the cut is the point of the matrices' reverse registration order that makes the larger
-    stage smallest (the peak holds one stage's unsharded gradients), among those leaving
+    left out when empty), and the rest last: two or three stages. Otherwise the cut is the
+    point of the matrices' reverse registration order that makes the larger stage smallest (the peak holds one stage's unsharded gradients), among those leaving
     both stages at least ``min_bytes``; without such a point, one stage.
 
     Args:
         members: the parameters, in registration order.
         nbytes: a parameter's unsharded size in bytes.
         is_matrix: whether a parameter has two or more dims (vectors go to the second
-            stage).
+            stage; the tail's to a stage of their own).
         min_bytes: the least bytes of each stage.
         after_children: whether a parameter is registered after the group's last child
             group (``None``: the group has none).

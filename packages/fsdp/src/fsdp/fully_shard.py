@@ -97,8 +97,10 @@ def fully_shard(
             backward order (each of at least 4 MiB; see :mod:`fsdp.backward_split`): the
             first is reduce-scattered, and its unsharded memory freed, while the rest of the
             group's backward runs, which lowers the peak by about half a group's gradients
-            and parameters, for one more all-gather and reduce-scatter per step. ``False``
-            keeps one buffer per group (FSDP2's collective count).
+            and parameters, for one more all-gather and reduce-scatter per step; a group
+            around other groups (the root) is cut where they are, its head and final norm
+            reduced and freed before their backward. ``False`` keeps one buffer per group
+            (FSDP2's collective count).
 
     Returns:
         The module (or modules), whose class is now ``FSDP<Cls>``.

@@ -236,9 +236,9 @@ def _plans(members: list[Collected], stored: dict[str, torch.Tensor], units: dic
 
 def _stages(members: list[Collected], stored: dict[str, torch.Tensor],
             dims: dict[str, DimShard]) -> list[list[Collected]]:
-    """The trainable parameters of one kind in two stages by backward order
+    """The trainable parameters of one kind in stages by backward order
     (:mod:`fsdp.backward_split`); ``Shard(d > 0)`` parameters, in buffers of their own
-    anyway, go with the second."""
+    anyway, go with the last."""
     rows = [c for c in members if c.name not in dims]
     stages = backward_stages(rows, lambda c: stored[c.name].numel() * stored[c.name].itemsize,
                              lambda c: stored[c.name].dim() > 1,
@@ -259,8 +259,8 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
     Tensor-parallel parameters (``layouts``, by name) are planned and stored as their TP-local
     tensors (:mod:`fsdp.tensor_parallel`); ``Shard(d > 0)`` parameters (``dims``, by name)
     dim-permuted, each in a buffer of its own (:mod:`fsdp.dim_shard`). With
-    ``backward_split``, large groups' trainable parameters go in two stages of buffers by
-    backward order (:mod:`fsdp.backward_split`).
+    ``backward_split``, the trainable parameters of large groups and of groups around other
+    groups go in stages of buffers by backward order (:mod:`fsdp.backward_split`).
     """
     layouts = layouts or {}
     dims = dims or {}
