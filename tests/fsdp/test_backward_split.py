@@ -546,3 +546,68 @@ def test_the_roots_graph_walk_spans_its_blocks(ranks):
         assert out["one_group_limit"] is True
         # ... within the root's: no reentrant checkpoint
         assert out["seen"] is False
+
+
+class _AuxHead(nn.Module):
+    """A root with a second head registered after its blocks and used on rank 0 only (a
+    target some ranks' batches lack): its tail stage completes before the blocks' backward
+    on rank 0 and never on rank 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 16, bias=False)
+        self.aux = nn.Linear(8, 1, bias=False)
+
+    def forward(self, tokens: torch.Tensor, use_aux: bool) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        out = self.head(x).logsumexp(-1).mean()
+        return out + self.aux(x).mean() if use_aux else out
+
+
+def _aux_head(unused_flag: bool) -> dict[str, Any]:
+    import fsdp
+
+    torch.manual_seed(0)
+    model, reference = _AuxHead(), _AuxHead()
+    reference.load_state_dict(model.state_dict())
+    mesh = device_mesh(dist.get_world_size())
+    for block in model.blocks:
+        fsdp.fully_shard(block, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
+    model.set_reduce_scatter_unused_params(unused_flag)
+    tokens = torch.randint(16, (2, 4, 5), generator=torch.Generator().manual_seed(1))
+    rank, errors, missing = dist.get_rank(), [], []
+    for _ in range(3):
+        model(tokens[rank], rank == 0).backward()
+        reference.zero_grad()
+        for r in range(2):
+            (reference(tokens[r], r == 0) / 2).backward()
+        expected = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                missing.append(name)
+            if name == "aux.weight" and not unused_flag:
+                continue  # a .grad on rank 0 only: full_tensor() would not pair
+            errors.append((p.grad.full_tensor() - expected[name].grad).abs().max().item())
+        model.zero_grad()
+    stages = [[p.name for p in fsdp.fully_shard.state(model).group.params if p.buffer is b]
+              for b in fsdp.fully_shard.state(model).group.trainable_buffers]
+    return {"error": max(errors), "missing": sorted(set(missing)), "stages": stages}
+
+
+@pytest.mark.parametrize("unused_flag", [False, True], ids=["no_flag", "unused_params"])
+def test_a_root_tail_parameter_used_on_one_rank_keeps_collectives_in_order(ranks, unused_flag):
+    """The tail is reduced at the first block's pre-backward on every rank, complete or not:
+    reduced when it completed, rank 0 would reduce it before the blocks' collectives and rank
+    1 after them (a gloo timeout; mismatched NCCL collectives)."""
+    out0, out1 = ranks.run(2, _aux_head, unused_flag, timeout=120)
+    assert out0["stages"] == [["head.weight", "aux.weight"], ["embed.weight"]]
+    # without the flag a rank that computed no gradient gets no .grad (FSDP2's rule)
+    assert out0["missing"] == []
+    assert out1["missing"] == ([] if unused_flag else ["aux.weight"])
+    # every other gradient (and with the flag, aux's too) equals one process's
+    assert out0["error"] <= 1e-6 and out1["error"] <= 1e-6

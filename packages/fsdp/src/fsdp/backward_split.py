@@ -18,8 +18,8 @@ last matrix. Where the guess is wrong, the first stage completes later, at worst
 group, and nothing but its early reduction is lost.
 
 Each stage must hold at least :data:`MIN_STAGE_BYTES`: a stage is one more all-gather and
-one more reduce-scatter per step, worth it only for large buffers (so small models keep
-one buffer per group, and FSDP2's collective counts).
+one more reduce-scatter per step, worth it only for large buffers (so small groups keep
+one buffer, and FSDP2's collective counts, unless they enclose other groups: below).
 
 A group around other groups (the root: embedding, then the blocks, then the final norm and
 the output head) is cut where its children are instead, whatever its size: the parameters
@@ -27,13 +27,14 @@ registered after its last child (the tail) are used after the children in forwar
 gradients arrive before the children's backward and the rest's after it. With one buffer,
 the whole gradient buffer would be allocated at the head's gradient and held, with the
 head's unsharded weight, through every child's backward; cut there, the tail is reduced and
-freed before the first child's backward starts, and the rest's gradient memory is allocated
-at the end. That saving spans the whole backward, so it is worth one or two more
-collective pairs even for a small root. The tail's vectors (the final norm) get a buffer of their own, after
-its matrices (used last in forward, so their gradients come first): a norm weight beside the
-head's rows would leave the head's buffer no cut into equal whole rows (1,000 rows and a
-1,024-element vector make no two equal halves), and a vector alone is cut anywhere, as FSDP2
-cuts it.
+freed when the first child's backward starts
+(:meth:`fsdp.param_group.FSDPParamGroup.reduce_before_children`), and the rest's gradient
+memory is allocated at the end. That saving spans the whole backward, so it is worth one or
+two more collective pairs even for a small root. The tail's vectors (the final norm) get a
+buffer of their own, after its matrices (used last in forward, so their gradients come
+first): a norm weight beside the head's rows would leave the head's buffer no cut into equal
+whole rows (1,000 rows and a 1,024-element vector make no two equal halves), and a vector
+alone is cut anywhere, as FSDP2 cuts it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ T = TypeVar("T")
 
 MIN_STAGE_BYTES = 4 << 20
 """The least unsharded bytes (in the parameters' own dtype) each stage must hold."""
+
+
+def cut_by_children(members: Sequence[T], after_children: Callable[[T], bool]) -> bool:
+    """Whether :func:`backward_stages` cuts ``members`` where the group's children are: some
+    of them, not all, registered after the last child group.
+
+    Example:
+        >>> cut_by_children(["embed", "head"], lambda n: n == "head")
+        True
+    """
+    tail = sum(1 for m in members if after_children(m))
+    return 0 < tail < len(members)
 
 
 def backward_stages(members: Sequence[T], nbytes: Callable[[T], int],
@@ -80,12 +93,11 @@ def backward_stages(members: Sequence[T], nbytes: Callable[[T], int],
         ...                 after_children=lambda n: n != "embed")
         [['head'], ['norm'], ['embed']]
     """
-    if after_children is not None:
+    if after_children is not None and cut_by_children(members, after_children):
         tail = [m for m in members if after_children(m)]
-        if 0 < len(tail) < len(members):
-            stages = ([m for m in tail if is_matrix(m)], [m for m in tail if not is_matrix(m)],
-                      [m for m in members if not after_children(m)])
-            return [stage for stage in stages if stage]
+        stages = ([m for m in tail if is_matrix(m)], [m for m in tail if not is_matrix(m)],
+                  [m for m in members if not after_children(m)])
+        return [stage for stage in stages if stage]
     matrices = [m for m in reversed(members) if is_matrix(m)]
     total = sum(nbytes(m) for m in members)
     best: tuple[int, int] | None = None

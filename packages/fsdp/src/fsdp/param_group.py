@@ -186,6 +186,10 @@ class FSDPParamGroup:
         # The fully_shard modules nested in the group's (set by fully_shard): each widens
         # the forward-graph walk of note_forward_graph by _GRAPH_WALK_LIMIT nodes.
         self.nested_groups = 0
+        # Indices in self.buffers of the stages registered after the group's children (set
+        # by build_group, fsdp.backward_split): reduced when a nested group's backward
+        # starts (reduce_before_children), not when their gradients complete.
+        self.tail_indices: list[int] = []
         # Per buffer id: the references to its unsharded storage at the end of the last
         # backward that freed it at the post-backward (none of the group's saved tensors).
         self._settled_refs: dict[int, int] = {}
@@ -493,13 +497,42 @@ class FSDPParamGroup:
         which FSDP2 asks for exactly such control flow: there the time of a reduction would
         differ across ranks, and NCCL can deadlock when ranks interleave collectives of
         different communicators (an expert-parallel all-to-all) in different orders."""
-        if (self.training_state != TrainingState.PRE_BACKWARD or not self.config.reduce_grads
-                or (not self.config.all_reduce and self.mesh.ndim == 2)
-                or self.reentrant_inside or self.config.reduce_scatter_unused_params
-                or buffer.has_grad_stash or buffer.has_partial_reduce):
+        if not self._may_reduce_before_post_backward(buffer) or self._is_tail(buffer):
             return False
         left = [b for b in self.trainable_buffers if id(b) not in self._reduced_early]
         return len(left) > 1 and left[0] is buffer
+
+    def _may_reduce_before_post_backward(self, buffer: DBuffer) -> bool:
+        """The conditions of :meth:`_may_reduce_early` that every rank shares."""
+        return not (self.training_state != TrainingState.PRE_BACKWARD
+                    or not self.config.reduce_grads
+                    or (not self.config.all_reduce and self.mesh.ndim == 2)
+                    or self.reentrant_inside or self.config.reduce_scatter_unused_params
+                    or buffer.has_grad_stash or buffer.has_partial_reduce)
+
+    def _is_tail(self, buffer: DBuffer) -> bool:
+        return any(self.buffers[i] is buffer for i in self.tail_indices)
+
+    def reduce_before_children(self) -> None:
+        """A group nested in this one starts its backward: reduce-scatter the stages of the
+        parameters registered after the children (:attr:`tail_indices`; a root's head and
+        final norm) now, each as :meth:`_reduce_early` does, whether or not all their
+        gradients arrived on this rank (a missing one reads as zero, as at a post-backward).
+
+        Why here and not when their gradients complete: between this group's early
+        reduction and its post-backward every child's collectives run, so a rank where a
+        tail parameter got no gradient (a head used on some ranks only) would issue the
+        reduction after them and the others before: mismatched collectives. The first
+        child's pre-backward is the same point on every rank. A gradient that still comes
+        for a reduced stage (a parameter registered after the children but used before them)
+        is reduced again and added (:meth:`_late_gradient`)."""
+        if torch._C._current_graph_task_id() != self._backward_task:
+            return
+        for index in self.tail_indices:
+            buffer = self.buffers[index]
+            if id(buffer) not in self._reduced_early and self._may_reduce_before_post_backward(
+                    buffer):
+                self._reduce_early(buffer)
 
     def note_forward_graph(self, outputs: list[torch.Tensor]) -> None:
         """After a forward that autograd recorded (not a recompute inside backward), with

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
 
-from fsdp.backward_split import backward_stages
+from fsdp.backward_split import backward_stages, cut_by_children
 from fsdp.buffers import make_buffer, sharded_parameter
 from fsdp.dim_shard import (
     DimShard,
@@ -274,12 +274,16 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
     buffers: list[DBuffer] = []
     uninitialised: list[DBuffer] = []  # built from meta parameters: nothing written yet
     shared: dict[str, str] = {}  # parameters another group manages: name -> its label
+    tail: set[str] = set()  # the stages before a group's children's backward
     for (requires_grad, dtype), members in kinds.items():
         compute = mp_policy.param_dtype or dtype
         reduce = mp_policy.reduce_dtype or compute
         by_name = {c.name: c for c in members}
         cost = shard_size * _BUCKET_COST_BYTES_PER_RANK // dtype.itemsize
         stages = _stages(members, stored, dims) if requires_grad and backward_split else [members]
+        rows = [c for c in members if c.name not in dims]
+        if len(stages) > 1 and cut_by_children(rows, lambda c: c.after_children):
+            tail.update(c.name for stage in stages[:-1] for c in stage)
         plans = [plan for stage in stages
                  for plan in _plans(stage, stored, units, dims, shard_size,
                                     _align((dtype, compute, reduce)), cost)]
@@ -329,6 +333,8 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
     order = {c.name: i for i, c in enumerate(collected)}
     managed.sort(key=lambda m: order[m.name])
     group = FSDPParamGroup(managed, buffers, label, mesh, mp_policy)
+    group.tail_indices = [i for i, b in enumerate(buffers)
+                          if b.trainable and all(e.name in tail for e in b.plan.entries)]
     group.watch_uninitialised(uninitialised)
     group.shared_with = shared
     return group

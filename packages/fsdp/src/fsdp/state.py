@@ -42,6 +42,9 @@ class StepContext:
     reducing: list[FSDPParamGroup] = field(default_factory=list)
     # Backward prefetches waiting for the reduction in flight to finish.
     prefetching: list[FSDPParamGroup] = field(default_factory=list)
+    # Groups in their backward whose tail stages wait for a nested group's backward to start
+    # (FSDPParamGroup.reduce_before_children).
+    awaiting_children: list[FSDPParamGroup] = field(default_factory=list)
     # FSDP2's post-optimizer event (FSDPModule.set_post_optim_event), used once.
     post_optim_event: Any = None
 
@@ -105,6 +108,14 @@ class StepContext:
         elif group not in self.reducing:
             self.reducing.append(group)
 
+    def child_backward_starts(self, group: FSDPParamGroup) -> None:
+        """``group``'s backward starts: the groups whose tail stages wait for it (they enclose
+        it) reduce them first, before ``group`` gathers anything."""
+        waiting = [g for g in self.awaiting_children if g is not group]
+        self.awaiting_children = [g for g in self.awaiting_children if g is group]
+        for g in waiting:
+            g.reduce_before_children()
+
     def post_backward(self, group: FSDPParamGroup, *, last: bool | None = None) -> None:
         """Run ``group``'s post-backward (its ``finalize_backward`` at the end of a backward,
         when ``last`` is given) with at most one reduction in flight: the previous one
@@ -146,6 +157,7 @@ class StepContext:
                 self.post_forward_order.clear()
             self.iter_forward_root = None
             self.final_callback_queued = False
+            self.awaiting_children.clear()
 
 
 def get_state(module: nn.Module) -> FSDPState | None:
@@ -446,8 +458,12 @@ class FSDPState:
         now = any(g.config.backward_prefetch_start == "pre_backward" for g in self.groups)
         for group in self.groups:
             first = group.training_state != TrainingState.PRE_BACKWARD
+            if first:
+                self.ctx.child_backward_starts(group)
             self.ctx.drop_prefetch(group)
             group.pre_backward()
+            if first and group.tail_indices:
+                self.ctx.awaiting_children.append(group)
             if first and self.states_to_backward_prefetch is None:
                 self._implicit_backward_prefetch(group, now)
         for state in self.states_to_backward_prefetch or ():
@@ -469,6 +485,7 @@ class FSDPState:
         ctx = self.ctx
         ctx.reducing.clear()
         ctx.prefetching.clear()
+        ctx.awaiting_children.clear()
         for state in ctx.all_states or [self]:
             state.training_state = TrainingState.IDLE
             state._modules_to_run_forward.clear()
