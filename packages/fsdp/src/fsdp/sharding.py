@@ -235,16 +235,22 @@ def _plans(members: list[Collected], stored: dict[str, torch.Tensor], units: dic
 
 
 def _stages(members: list[Collected], stored: dict[str, torch.Tensor],
-            dims: dict[str, DimShard]) -> list[list[Collected]]:
+            dims: dict[str, DimShard]) -> tuple[list[list[Collected]], set[str]]:
     """The trainable parameters of one kind in stages by backward order
-    (:mod:`fsdp.backward_split`); ``Shard(d > 0)`` parameters, in buffers of their own
-    anyway, go with the last."""
+    (:mod:`fsdp.backward_split`; ``Shard(d > 0)`` parameters, in buffers of their own anyway,
+    go with the last), and the names in the stages a cut where the group's children are puts
+    before their backward (none for other cuts)."""
     rows = [c for c in members if c.name not in dims]
+
+    def after(c: Collected) -> bool:
+        return c.after_children
+
     stages = backward_stages(rows, lambda c: stored[c.name].numel() * stored[c.name].itemsize,
-                             lambda c: stored[c.name].dim() > 1,
-                             after_children=lambda c: c.after_children)
+                             lambda c: stored[c.name].dim() > 1, after_children=after)
+    tail = ({c.name for stage in stages[:-1] for c in stage}
+            if cut_by_children(rows, after) else set())
     stages[-1].extend(c for c in members if c.name in dims)
-    return stages
+    return stages, tail
 
 
 def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceMesh,
@@ -280,10 +286,9 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
         reduce = mp_policy.reduce_dtype or compute
         by_name = {c.name: c for c in members}
         cost = shard_size * _BUCKET_COST_BYTES_PER_RANK // dtype.itemsize
-        stages = _stages(members, stored, dims) if requires_grad and backward_split else [members]
-        rows = [c for c in members if c.name not in dims]
-        if len(stages) > 1 and cut_by_children(rows, lambda c: c.after_children):
-            tail.update(c.name for stage in stages[:-1] for c in stage)
+        stages, before_children = (_stages(members, stored, dims)
+                                   if requires_grad and backward_split else ([members], set()))
+        tail |= before_children
         plans = [plan for stage in stages
                  for plan in _plans(stage, stored, units, dims, shard_size,
                                     _align((dtype, compute, reduce)), cost)]
