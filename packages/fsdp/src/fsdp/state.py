@@ -98,7 +98,7 @@ class StepContext:
             self.prefetching.remove(group)
 
     def track_reduction(self, group: FSDPParamGroup) -> None:
-        """``group`` started a reduction of its own, before its post-backward (an early one,
+        """``group`` started a reduction (at its post-backward, or an early one,
         :meth:`FSDPParamGroup._reduce_early`): it is the reduction in flight, finished
         before the next allocation of gradient memory, by any group (the root's output head
         is reduced before the blocks' backward, whose first gradient then finishes it);
@@ -128,10 +128,7 @@ class StepContext:
         else:
             group.finalize_backward(last=last)
         if group.reduce_pending:
-            if group.config.reduce_in_flight:
-                self.reducing.append(group)
-            else:
-                group.finish_reduce()
+            self.track_reduction(group)
 
     def queue_final_callback(self) -> None:
         """Have autograd call :meth:`end_backward` once, when the current backward ends."""
