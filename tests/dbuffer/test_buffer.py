@@ -274,6 +274,17 @@ def _lifetime_case(case: Case) -> None:
     buf.all_gather()
     loss.backward()
     assert torch.equal(w.grad, 2 * buf.unsharded_view(name))
+    # Every free fences the same objects again and every re-gather gives them their own
+    # class back: the error still names the tensor on a later free.
+    gathered = {n: v.clone() for n, v in views.items()}
+    for _ in range(2):
+        buf.free_unsharded()
+        for n, v in views.items():
+            _assert_every_use_raises(v, f"unsharded view of '{n}'.*all_gather")
+        buf.all_gather()
+        assert type(flat) is torch.Tensor
+        assert all(type(v) is torch.Tensor for v in views.values())
+        assert all(torch.equal(v, gathered[n]) for n, v in views.items())
 
 
 def _assert_every_use_raises(view: torch.Tensor, match: str) -> None:

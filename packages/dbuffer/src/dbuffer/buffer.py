@@ -649,12 +649,12 @@ class DBuffer:
         Returns:
             True when ``tensor`` is the view or spans exactly its memory.
         """
-        self._entry(name)
         view = self._views.get(("grad", name))
+        if tensor is view and view is not None:
+            return True  # the per-step check of every aimed .grad: no more than this
+        self._entry(name)
         if tensor is None or view is None:
             return False
-        if tensor is view:
-            return True
         return (tensor.untyped_storage()._cdata == view.untyped_storage()._cdata
                 and tensor.storage_offset() == view.storage_offset()
                 and tensor.shape == view.shape and tensor.stride() == view.stride()
@@ -984,12 +984,13 @@ class DBuffer:
             self._grad_stash.free()
 
     def _release_grad(self) -> None:
-        if self._grad is None:
-            return
+        if self._grad is None or not self._grad.allocated:
+            return  # freed already, with the .grad of every view that pointed into it
         with metadata_access():
             for name in self.trainable:
                 param = self._views.get(("unsharded", name))
-                if param is not None and self.grad_is_view(name, param.grad):
+                grad = None if param is None else param.grad
+                if grad is not None and self.grad_is_view(name, grad):
                     param.grad = None
         self._grad.free()
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from dbuffer.errors import FreedBufferError
-from dbuffer.freed import fence, unfence
+from dbuffer.freed import fenced_class, label
 
 
 class FlatBuffer:
@@ -46,7 +46,10 @@ class FlatBuffer:
         # An explicit state, not ``nbytes() == numel * itemsize``: a buffer of zero elements
         # (a group without tensors of its own) has zero bytes whether allocated or freed.
         self._allocated = False
-        self._views: list[tuple[torch.Tensor, str]] = []
+        # Every tensor handed out, with its class while fenced; their own classes are taken
+        # at each free and given back at re-allocation.
+        self._views: list[tuple[torch.Tensor, type[torch.Tensor]]] = []
+        self._classes: list[type[torch.Tensor]] = []
         # A zero-byte storage marked to throw on mutable data access: freeing swaps its data
         # pointer (and the mark) into this buffer's storage, re-allocation swaps it back.
         self._marked = torch.empty(0, dtype=torch.uint8, device=device).untyped_storage()
@@ -59,7 +62,7 @@ class FlatBuffer:
         self._tensor = tensor
         self._storage = tensor.untyped_storage()
         self._allocated = True
-        self._views.append((tensor, f"the flat {self.what}"))
+        self.track(tensor, f"the flat {self.what}")
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -103,8 +106,8 @@ class FlatBuffer:
         else:
             self._storage.resize_(self._nbytes)
         self._allocated = True
-        for view, _ in self._views:
-            unfence(view)
+        for (view, _), cls in zip(self._views, self._classes):
+            view.__class__ = cls
         return True
 
     def free(self) -> None:
@@ -119,8 +122,9 @@ class FlatBuffer:
         self._storage.resize_(0)
         self._storage._swap_data_ptr_(self._marked)
         self._allocated = False
-        for view, what in self._views:
-            fence(view, f"{what} is used while the {self.what} is freed; {self._hint}")
+        self._classes = [type(view) for view, _ in self._views]
+        for view, fenced in self._views:
+            view.__class__ = fenced
 
     def view(self, what: str, offset: int, numel: int, shape: tuple[int, ...]) -> torch.Tensor:
         """A view of ``numel`` elements at ``offset``, shaped ``shape``, fenced while freed.
@@ -146,7 +150,11 @@ class FlatBuffer:
             tensor: the object handed out.
             what: how errors name it.
         """
-        self._views.append((tensor, what))
+        label(tensor, f"{what} is used while the {self.what} is freed; {self._hint}")
+        self._views.append((tensor, fenced_class(tensor)))
+        if self._storage is not None and not self._allocated:
+            self._classes.append(type(tensor))
+            tensor.__class__ = fenced_class(tensor)
 
     def check(self, name: str, hint: str) -> None:
         """Raise :class:`FreedBufferError` for tensor ``name`` if the memory is freed.

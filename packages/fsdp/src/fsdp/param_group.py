@@ -87,7 +87,8 @@ def _holds_reentrant_checkpoint(outputs: list[torch.Tensor], group: object,
         name = node.name()
         if name == "CheckpointFunctionBackward":
             return True
-        if name != "_PostBackwardBackward" or getattr(node, "group", None) is not group:
+        # a group's boundary: its _PostBackward (or _TransformablePostBackward) node
+        if not (name.endswith("PostBackwardBackward") and getattr(node, "group", None) is group):
             stack.extend(next_node for next_node, _ in node.next_functions)
     return False
 
@@ -207,6 +208,10 @@ class FSDPParamGroup:
         for p in params:
             p.on_grad = self.grad_computed
             p.on_accumulated = self.grad_accumulated
+        # Every (module, attribute, parameter) registering a managed parameter, flat: the
+        # swaps between sharded and unsharded parameters and the check for assignments run
+        # several times a step over every slot, one dict access each.
+        self._slots = [(module, attr, p) for p in params for module, attr in p.slots]
         self._gathers: list[CollectiveHandle] | None = None
         self._gathered_versions: list[int] = []
         self.quantizer: GroupQuantizer | None = None  # FP8 all-gather (fsdp.fp8)
@@ -258,6 +263,8 @@ class FSDPParamGroup:
         assignment. A meta-device buffer whose parameters were all assigned real values gets
         its memory on their device first; one with only some assigned raises, naming the
         rest (they would hold no values)."""
+        if not self._any_assigned():
+            return
         for index, buffer in enumerate(list(self.buffers)):
             params = list(self._params_of(buffer))
             assigned = {p.name: value for p in params
@@ -277,6 +284,25 @@ class FSDPParamGroup:
                 if p.name in assigned:
                     p.adopt(assigned[p.name].detach())
                     p.register(p.sharded)
+
+    def _any_assigned(self) -> bool:
+        """Whether a slot holds something other than its sharded parameter (the fast test
+        :meth:`_adopt_assigned_params` runs at every unshard, while the sharded parameters
+        are registered)."""
+        for module, attr, p in self._slots:
+            value = module._parameters.get(attr)
+            if value is not p.sharded and value is not None:
+                return True
+        return False
+
+    def _register_sharded(self) -> None:
+        for module, attr, p in self._slots:
+            module._parameters[attr] = p.sharded
+
+    def _register_unsharded(self) -> None:
+        for module, attr, p in self._slots:
+            module._parameters[attr] = (p.unsharded if p.unsharded is not None
+                                        else p.unsharded_param())
 
     @_outside_functorch
     def unshard(self, async_op: bool = False) -> None:
@@ -324,8 +350,7 @@ class FSDPParamGroup:
             for handle in self._gathers:
                 handle.wait()
             self._gathers = None
-            for p in self.params:
-                p.register(p.unsharded_param())
+            self._register_unsharded()
         self.is_unsharded = True
 
     @_outside_functorch
@@ -347,8 +372,7 @@ class FSDPParamGroup:
         if not self.is_unsharded:
             return
         assert self.post_forward_group is not None
-        for p in self.params:
-            p.register(p.sharded)
+        self._register_sharded()
         for b in self.buffers:
             b.reshard_to_group(self.post_forward_group)
         self.is_unsharded = False
@@ -369,8 +393,7 @@ class FSDPParamGroup:
             for b in self.buffers:
                 b.free_unsharded()  # drops pieces kept for a smaller group
             return
-        for p in self.params:
-            p.register(p.sharded)
+        self._register_sharded()
         for b in self.buffers:
             b.free_unsharded()
         self.is_unsharded = False

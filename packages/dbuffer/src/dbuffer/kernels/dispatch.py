@@ -38,8 +38,11 @@ _GPU_BLOCK = 4096
 _INTERPRETER_BLOCK = 65536
 
 
+@functools.cache
 def triton_available() -> bool:
-    """Whether the Triton kernels can be used (``triton`` is installed).
+    """Whether the Triton kernels can be used (``triton`` is installed). Looked up once per
+    process: every kernel call on CUDA asks, and a package lookup costs tens of
+    microseconds.
 
     Returns:
         True when ``triton`` is importable.
