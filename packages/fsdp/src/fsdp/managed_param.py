@@ -40,16 +40,14 @@ class ManagedParam:
         sharded: the registered sharded parameter (a RaggedShard DTensor over the buffer).
         unsharded: the unsharded parameter (a view of the unsharded buffer), made on first
             unshard and kept, since the buffer keeps its storage across free and re-gather.
-        got_grad: whether autograd computed a gradient of it since the last reduction
-            (FSDP2 gives a sharded ``.grad`` only to parameters that got one).
+        got_grad: whether autograd delivered a gradient since the last reduction (FSDP2
+            gives a sharded ``.grad`` only to parameters that got one).
         on_grad: the group's :meth:`~fsdp.param_group.FSDPParamGroup.grad_computed`,
             called with this parameter when a gradient of it is computed, before it is
             accumulated.
         on_accumulated: the group's
             :meth:`~fsdp.param_group.FSDPParamGroup.grad_accumulated`, called with this
-            parameter once autograd accumulated its gradient; ``None`` where the group has
-            no use for it (one trainable buffer: nothing to reduce early), which saves a
-            hook call per parameter per backward.
+            parameter once autograd accumulated its gradient.
         _param_fqn: its path from the root module, set at the root's lazy init (FSDP2's
             name for it).
     """
@@ -92,18 +90,15 @@ class ManagedParam:
             self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
             if self.trainable:
                 self.unsharded.register_hook(self._before_accumulate)
-                if self.on_accumulated is not None:
-                    self.unsharded.register_post_accumulate_grad_hook(self._note_grad)
+                self.unsharded.register_post_accumulate_grad_hook(self._note_grad)
         return self.unsharded
 
     def _before_accumulate(self, grad: torch.Tensor) -> None:
         """Runs when the gradient is computed, before autograd accumulates it into ``.grad``:
         the group's gradient buffer is allocated and aimed at then, not at pre-backward, so
-        it exists only while gradients arrive. The gradient counts as arrived from here on
-        (set after the group's callback, which may finish an earlier reduction of it)."""
+        it exists only while gradients arrive."""
         if self.on_grad is not None:
             self.on_grad(self)
-        self.got_grad = True
 
     def adopt(self, value: torch.Tensor) -> None:
         """Copy this rank's run of ``value`` (a tensor the user assigned in place of the
@@ -156,6 +151,7 @@ class ManagedParam:
 
     def _note_grad(self, param: torch.Tensor) -> None:
         del param
+        self.got_grad = True
         if self.on_accumulated is not None:
             self.on_accumulated(self)
 

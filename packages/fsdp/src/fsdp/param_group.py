@@ -207,7 +207,7 @@ class FSDPParamGroup:
         self._partial_grads: set[str] = set()
         for p in params:
             p.on_grad = self.grad_computed
-            p.on_accumulated = self.grad_accumulated if self._trainable_count > 1 else None
+            p.on_accumulated = self.grad_accumulated
         # Every (module, attribute, parameter) registering a managed parameter, flat: the
         # swaps between sharded and unsharded parameters and the check for assignments run
         # several times a step over every slot, one dict access each.
