@@ -9,7 +9,9 @@ same test (world sizes 2 and 3; the odd sizes leave ranks with zero units of sma
 * micro-batching with several forwards before their backwards (``set_is_last_backward``);
 * gradient memory: nothing outlives ``zero_grad(set_to_none=True)``, and at most one
   reduce-scatter is in flight;
-* layers that take and return dataclasses and named tuples.
+* layers that take and return dataclasses and named tuples;
+* ``torch.autograd.grad`` with respect to the parameters: no ``.grad`` appears, so an
+  optimizer step leaves them alone.
 """
 
 from __future__ import annotations
@@ -496,3 +498,41 @@ def test_structured_outputs_re_gather_for_backward(ranks, world, container_name)
     flatten): the re-gather before it must still happen, as in FSDP2."""
     for errors in ranks.run(world, _container_case, container_name):
         assert errors["fsdp"] <= max(2 * errors["torch"], 1e-6), errors
+
+
+def _autograd_grad_run(impl: str | None) -> dict[str, Any]:
+    """``torch.autograd.grad`` w.r.t. the parameters the root's forward registered (a root
+    keeps its unsharded ones after forward), then an AdamW step with weight decay over the
+    parameters it was built with: one that got a ``.grad`` would move."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    if impl is not None:
+        import_fsdp(impl).fully_shard(model, mesh=device_mesh(dist.get_world_size()))
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=0.1, weight_decay=0.5)
+    before = [full(p) for p in params]
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = model(x).sum()
+    grads = torch.autograd.grad(out, list(model.parameters()))
+    optimizer.step()
+    return {"grads": [full(g) for g in grads], "has_grad": [p.grad is not None for p in params],
+            "moved": [(full(p) - b).abs().max().item() for p, b in zip(params, before)]}
+
+
+def _autograd_grad_case() -> dict[str, Any]:
+    ref = _autograd_grad_run(None)
+    out = {}
+    for impl in ("torch", "fsdp"):
+        got = _autograd_grad_run(impl)
+        out[impl] = {"has_grad": got["has_grad"], "moved": got["moved"],
+                     "grad_error": max((g - r).abs().max().item()
+                                       for g, r in zip(got["grads"], ref["grads"]))}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_autograd_grad_gives_no_grad_to_the_parameters(ranks, world):
+    for result in ranks.run(world, _autograd_grad_case):
+        assert result["fsdp"]["has_grad"] == result["torch"]["has_grad"] == [False] * 4, result
+        assert result["fsdp"]["moved"] == result["torch"]["moved"] == [0.0] * 4, result
+        assert result["fsdp"]["grad_error"] <= max(2 * result["torch"]["grad_error"], 1e-6), result

@@ -531,11 +531,17 @@ class _PostBackward(torch.autograd.Function):
         context.queue_final_callback()
         return (None, None, *grads)
 
+    @staticmethod
+    def jvp(ctx: Any, group_tangent: Any, context_tangent: Any,
+            *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Forward-mode AD (torch.autograd.forward_ad, or torch.func.jvp through the
+        # subclass) passes the inputs' tangents through, like the values.
+        return tuple(t.view_as(t) for t in tangents)
+
 
 class _TransformablePostBackward(_PostBackward):
-    """:class:`_PostBackward` in the ``setup_context`` form with a ``jvp`` and a generated
-    vmap rule, so a forward under ``torch.func`` transforms (``jvp``, ``vmap``) goes
-    through it."""
+    """:class:`_PostBackward` in the ``setup_context`` form with a generated vmap rule, which
+    ``torch.func`` transforms (``jvp``, ``vmap``) require."""
 
     generate_vmap_rule = True
 
@@ -547,12 +553,6 @@ class _TransformablePostBackward(_PostBackward):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.group, ctx.context = inputs[0], inputs[1]
-
-    @staticmethod
-    def jvp(ctx: Any, group_tangent: Any, context_tangent: Any,
-            *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # Forward-mode AD passes the inputs' tangents through, like the values.
-        return tuple(t.view_as(t) for t in tangents)
 
 
 def _register_post_backward(context: StepContext, group: FSDPParamGroup, args: tuple[Any, ...],
