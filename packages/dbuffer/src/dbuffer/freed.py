@@ -132,8 +132,8 @@ def fence(tensor: torch.Tensor, message: str) -> None:
 def label(tensor: torch.Tensor, message: str) -> None:
     """Give ``tensor`` the message its fence raises with, ahead of any fence: a buffer whose
     views are fenced and unfenced every step (:class:`dbuffer.flat.FlatBuffer`) labels each
-    once and then only switches classes (:func:`fenced_class`) back and forth: a fifth of
-    the cost of labelling at every fence.
+    once, when it is handed out, and then only switches classes (:func:`fenced_class`) back
+    and forth: a class switch costs a fraction of setting attributes on the tensor.
 
     Args:
         tensor: a plain tensor (or a subclass with an instance ``__dict__``) or a DTensor.
