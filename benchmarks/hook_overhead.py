@@ -7,7 +7,8 @@ shows. Each block and the root are wrapped (defaults), ``torch.optim.AdamW``, 2 
 Every entry point through which autograd or ``nn.Module`` calls into a system is wrapped in
 a timer (no profiler scope: a scope's own cost would weigh on the side with more hook calls):
 fsdp's forward pre/post hooks, pre-backward
-hook, ``_PostBackward.backward``, per-parameter post-accumulate-grad hook and final callback;
+hook, ``_PostBackward.backward``, per-parameter post-accumulate-grad hook, the pre-accumulate
+hook of each buffer's first gradient and final callback;
 FSDP2's forward pre/post hooks, pre-backward hook, ``FSDPParamGroup.post_backward`` and final
 callback. A hook's cost is the training thread's CPU time (``time.thread_time_ns``) from entry
 to exit, outermost hook only: waiting on gloo (which runs collectives on its own threads)

@@ -207,7 +207,7 @@ def _watch(model: nn.Module) -> dict[str, Any]:
         group._late_gradient = traced_late
         first = next(p for p in group.params if p.name == "w_down.weight").buffer
         wq = next(p for p in group.params if p.name == "wq.weight")
-        original = group.grad_computed
+        original = group.grad_accumulated
 
         def traced(param: Any, group: Any = group, first: Any = first, wq: Any = wq,
                    original: Any = original) -> None:
@@ -216,7 +216,7 @@ def _watch(model: nn.Module) -> dict[str, Any]:
                 seen.append((first.is_unsharded, first.has_grad, group.reduce_pending))
 
         for p in group.params:
-            p.on_grad = traced
+            p.on_accumulated = traced
     # The root, cut where its children are: at the first gradient of the last block, the
     # stages of the parameters registered after the blocks (head; norm).
     root = fsdp.fully_shard.state(model).group
@@ -224,14 +224,14 @@ def _watch(model: nn.Module) -> dict[str, Any]:
     last = groups[-1]
     root_seen: list[tuple[bool, bool, bool]] = []
 
-    def first_of_last(param: Any, original: Any = last.params[0].on_grad) -> None:
+    def first_of_last(param: Any, original: Any = last.params[0].on_accumulated) -> None:
         original(param)
         if last._grads_computed == 1:
             root_seen.append((any(b.is_unsharded for b in tails), any(b.has_grad for b in tails),
                               root.reduce_pending))
 
     for p in last.params:
-        p.on_grad = first_of_last
+        p.on_accumulated = first_of_last
     return {"buffers": counts, "seen": seen, "late": late, "root_seen": root_seen,
             "root_stages": [[p.name for p in root.params if p.buffer is b]
                             for b in root.trainable_buffers],

@@ -177,7 +177,8 @@ def _prefetch_timing(start: str | None) -> dict[str, Any]:
     current: list[Any] = [None]
     in_grad_hook = [False]
     prefetches: list[tuple[int, int | None, int, int, bool]] = []
-    computed, prefetch = param_group.FSDPParamGroup.grad_computed, state._prefetch_for_backward
+    accumulated = param_group.FSDPParamGroup.grad_accumulated
+    prefetch = state._prefetch_for_backward
 
     def traced_grad(self: Any, param: Any) -> None:
         if current[0] is not self:
@@ -185,7 +186,7 @@ def _prefetch_timing(start: str | None) -> dict[str, Any]:
         counts[id(self)] += 1
         in_grad_hook[0] = True
         try:
-            computed(self, param)
+            accumulated(self, param)
         finally:
             in_grad_hook[0] = False
 
@@ -196,8 +197,8 @@ def _prefetch_timing(start: str | None) -> dict[str, Any]:
             sum(p.trainable for p in running.params), in_grad_hook[0]))
         prefetch(group)
 
-    # patched before the model exists: each parameter binds its group's grad_computed
-    param_group.FSDPParamGroup.grad_computed = traced_grad
+    # patched before the model exists: each parameter binds its group's grad_accumulated
+    param_group.FSDPParamGroup.grad_accumulated = traced_grad
     state._prefetch_for_backward = traced_prefetch
     try:
         model = _sharded_model(dist.get_world_size())
@@ -208,7 +209,7 @@ def _prefetch_timing(start: str | None) -> dict[str, Any]:
             current[0] = None
             _step(model, optimizer, tokens)
     finally:
-        param_group.FSDPParamGroup.grad_computed = computed
+        param_group.FSDPParamGroup.grad_accumulated = accumulated
         state._prefetch_for_backward = prefetch
     return {"prefetches": prefetches}
 

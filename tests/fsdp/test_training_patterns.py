@@ -11,7 +11,10 @@ same test (world sizes 2 and 3; the odd sizes leave ranks with zero units of sma
   reduce-scatter is in flight;
 * layers that take and return dataclasses and named tuples;
 * ``torch.autograd.grad`` with respect to the parameters: no ``.grad`` appears, so an
-  optimizer step leaves them alone.
+  optimizer step leaves them alone;
+* a forward whose order of layers changes between steps, so the parameter whose gradient
+  arrives first in its buffer changes: the gradients still land in place from the second
+  step on, except where the first arrival moved (one copy then).
 """
 
 from __future__ import annotations
@@ -536,3 +539,87 @@ def test_autograd_grad_gives_no_grad_to_the_parameters(ranks, world):
         assert result["fsdp"]["has_grad"] == result["torch"]["has_grad"] == [False] * 4, result
         assert result["fsdp"]["moved"] == result["torch"]["moved"] == [0.0] * 4, result
         assert result["fsdp"]["grad_error"] <= max(2 * result["torch"]["grad_error"], 1e-6), result
+
+
+class _Swapping(nn.Module):
+    """Two layers whose order in the forward is ``order``: the other layer's gradients arrive
+    first in the backward when it flips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.order = "ab"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = (self.a, self.b) if self.order == "ab" else (self.b, self.a)
+        return second(torch.tanh(first(x)))
+
+
+_ORDERS = ["ab", "ab", "ba", "ba", "ba", "ab"]
+
+
+def _swapping_run(impl: str | None) -> dict[str, Any]:
+    """Steps in :data:`_ORDERS`, one group of one buffer; with fsdp, each step also records
+    how many gradients autograd did not accumulate in place (copied into the buffer) and
+    which parameters hold the pre-accumulate hook afterwards."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(3)
+    model = _Swapping()
+    group = None
+    if impl is not None:
+        import_fsdp(impl).fully_shard(model, mesh=device_mesh(world))
+    if impl == "fsdp":
+        import fsdp
+
+        group = fsdp.fully_shard.state(model).group
+    copies = [0]
+
+    def counting(p: Any, original: Any) -> None:
+        copies[0] += not p._is_buffer_grad(p.unsharded.grad)
+        original(p)
+
+    if group is not None:
+        for p in group.params:
+            p.on_accumulated = functools.partial(counting, original=p.on_accumulated)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    per_step, hooked = [], []
+    for step, order in enumerate(_ORDERS):
+        model.order, copies[0] = order, 0
+        ranks_in = range(world) if impl is None else [rank]
+        for r in ranks_in:
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + r))
+            model(x).pow(2).mean().backward()
+        if impl is None:
+            for p in model.parameters():
+                p.grad /= world
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        per_step.append(copies[0])
+        if group is not None:
+            hooked.append(sorted(p.name for p in group.params
+                                 if p._first_grad_hook is not None))
+    return {"copies": per_step, "hooked": hooked,
+            "params": {n: full(p) for n, p in model.named_parameters()}}
+
+
+def _swapping_case() -> dict[str, Any]:
+    ref = _swapping_run(None)["params"]
+    out = {}
+    for impl in ("torch", "fsdp"):
+        got = _swapping_run(impl)
+        out[impl] = {"copies": got["copies"], "hooked": got["hooked"],
+                     "error": max((got["params"][n] - ref[n]).abs().max().item() for n in ref)}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradients_land_in_place_when_the_first_gradient_moves(ranks, world):
+    for result in ranks.run(world, _swapping_case):
+        ours = result["fsdp"]
+        assert ours["error"] <= max(2 * result["torch"]["error"], 1e-6), result
+        # the first gradient of step 1 and of each step after the order flipped is copied in
+        assert ours["copies"] == [1, 0, 1, 0, 0, 1], ours
+        # one hooked parameter per buffer: the second layer's, whose gradients come first
+        assert [len(h) for h in ours["hooked"]] == [1] * len(_ORDERS), ours
+        assert [h[0][0] for h in ours["hooked"]] == ["b", "b", "a", "a", "a", "b"], ours

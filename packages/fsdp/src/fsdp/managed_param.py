@@ -4,8 +4,12 @@ and the one owner of its unsharded gradient's identity.
 The unsharded parameter's ``.grad`` is the single source of truth for its gradient, and this
 class is the only code that decides what that ``.grad`` is:
 
-* before a backward (:meth:`ManagedParam.aim_grad`) it becomes the gradient buffer's view, so
-  autograd accumulates in place into the buffer (no per-parameter gradient, no copy);
+* before a backward's first gradient of its buffer lands (:meth:`ManagedParam.aim_grad`) it
+  becomes the gradient buffer's view, so autograd accumulates in place into the buffer (no
+  per-parameter gradient, no copy). One parameter per buffer has a hook that runs before its
+  gradient is accumulated (:meth:`ManagedParam.hook_first_grad`): the one whose gradient
+  arrived first in the last backward, so the buffer is aimed before any gradient lands;
+  should another arrive first, autograd gives it a fresh ``.grad``, which is copied in;
 * autograd may still put the gradient somewhere else: a module of the group called outside
   the group's forward (a chunked loss calling the head directly) gets a fresh ``.grad`` before
   any pre-backward hook ran, ``create_graph=True`` replaces ``.grad`` by ``.grad + new``, a user
@@ -19,12 +23,13 @@ class is the only code that decides what that ``.grad`` is:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from dbuffer import DBuffer, is_released, metadata_access
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from fsdp.buffers import sharded_parameter
 
@@ -44,7 +49,7 @@ class ManagedParam:
             gives a sharded ``.grad`` only to parameters that got one).
         on_grad: the group's :meth:`~fsdp.param_group.FSDPParamGroup.grad_computed`,
             called with this parameter when a gradient of it is computed, before it is
-            accumulated.
+            accumulated, while :meth:`hook_first_grad` holds the hook.
         on_accumulated: the group's
             :meth:`~fsdp.param_group.FSDPParamGroup.grad_accumulated`, called with this
             parameter once autograd accumulated its gradient.
@@ -61,6 +66,7 @@ class ManagedParam:
     on_grad: Callable[[ManagedParam], None] | None = None
     on_accumulated: Callable[[ManagedParam], None] | None = None
     _param_fqn: str | None = None
+    _first_grad_hook: RemovableHandle | None = field(default=None, repr=False)
 
     @property
     def trainable(self) -> bool:
@@ -89,14 +95,33 @@ class ManagedParam:
             view = self._as_param_tensor(self.buffer.unsharded_view(self.name))
             self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
             if self.trainable:
-                self.unsharded.register_hook(self._before_accumulate)
                 self.unsharded.register_post_accumulate_grad_hook(self._note_grad)
         return self.unsharded
 
+    def hook_first_grad(self, hooked: bool) -> None:
+        """Call :attr:`on_grad` before this parameter's gradient is accumulated, or stop.
+
+        The group hooks one parameter per buffer, the one whose gradient arrived first in
+        the last backward: its hook allocates and aims the buffer before any gradient lands,
+        so the buffer exists only while gradients arrive and nothing is copied. A hook on
+        every parameter would do the same at the cost of one Python call per parameter per
+        backward.
+        """
+        if hooked and self._first_grad_hook is None:
+            self._first_grad_hook = self.unsharded_param().register_hook(self._before_accumulate)
+        elif not hooked and self._first_grad_hook is not None:
+            self._first_grad_hook.remove()
+            self._first_grad_hook = None
+
+    def rebind(self, buffer: DBuffer) -> None:
+        """Live in ``buffer`` from now on (a rebuilt DBuffer): the unsharded parameter, its
+        hooks with it, is made again over the new buffer at the next unshard."""
+        self.buffer, self.unsharded, self._first_grad_hook = buffer, None, None
+
     def _before_accumulate(self, grad: torch.Tensor) -> None:
-        """Runs when the gradient is computed, before autograd accumulates it into ``.grad``:
-        the group's gradient buffer is allocated and aimed at then, not at pre-backward, so
-        it exists only while gradients arrive."""
+        """The pre-accumulate hook :meth:`hook_first_grad` registers (``grad`` is unused: the
+        group aims ``.grad`` so that autograd accumulates it in place)."""
+        del grad
         if self.on_grad is not None:
             self.on_grad(self)
 

@@ -452,22 +452,14 @@ class FSDPParamGroup:
         self.wait_for_unshard()
 
     def grad_computed(self, param: ManagedParam) -> None:
-        """A gradient of ``param`` was computed (before autograd accumulates it): the first
-        of its buffer aims that buffer's ``.grad`` views (:meth:`aim_grads`); when half of
-        the group's trainable parameters have had one (after the first, with
-        ``backward_prefetch_start="pre_backward"``), :attr:`prefetch_point_reached` runs.
-
-        Why half: the backward prefetch of the next group waits until then (see
-        :meth:`fsdp.state.StepContext.prefetch_for_backward`). At a group's first gradient its
-        activations are all still alive and its gradient buffer has just been allocated; by the
-        middle of its backward the activations it freed make room for the gathered group,
-        which still has the second half of the backward to arrive."""
+        """The gradient of ``param``, the parameter whose gradient arrived first in its buffer
+        in the last backward (:meth:`ManagedParam.hook_first_grad`), was computed and is
+        about to be accumulated: the buffer is aimed now (:meth:`aim_grads`), so the gradient
+        lands in place. A buffer reduced early in this backward is reopened first
+        (:meth:`_late_gradient`)."""
         if id(param.buffer) in self._reduced_early:
             self._late_gradient(param)
         self.aim_grads(param.buffer)
-        self._grads_computed += 1
-        if self._grads_computed == self._prefetch_point and self.prefetch_point_reached is not None:
-            self.prefetch_point_reached()
 
     def aim_grads(self, buffer: DBuffer) -> None:
         """Before the first gradient of ``buffer`` in a backward is accumulated: finish the
@@ -493,12 +485,42 @@ class FSDPParamGroup:
             self._prefetch_point = 1 if pre_backward else (gathered + 1) // 2
 
     def grad_accumulated(self, param: ManagedParam) -> None:
-        """Autograd accumulated ``param``'s gradient. When that completes its buffer, in the
-        graph task of the group's backward (a nested task, like a reentrant checkpoint's,
-        may still run nodes that use the buffer's parameters), while other buffers of the
-        group still wait for gradients, the buffer is reduced now (:meth:`_reduce_early`)
-        instead of at the group's post-backward."""
-        waiting = self._awaiting.get(id(param.buffer))
+        """Autograd accumulated ``param``'s gradient.
+
+        A gradient that landed before its buffer was aimed (the first backward, or another
+        parameter came first this time) is in a fresh ``.grad``: the buffer is aimed now,
+        which copies it in, and ``param`` becomes the buffer's hooked parameter
+        (:meth:`ManagedParam.hook_first_grad`). When half of the group's trainable parameters
+        have had their gradient (the first, with ``backward_prefetch_start="pre_backward"``),
+        :attr:`prefetch_point_reached` runs.
+
+        Why half: the backward prefetch of the next group waits until then (see
+        :meth:`fsdp.state.StepContext.prefetch_for_backward`). At a group's first gradient its
+        activations are all still alive and its gradient buffer has just been allocated; by the
+        middle of its backward the activations it freed make room for the gathered group,
+        which still has the second half of the backward to arrive.
+
+        When the gradient completes its buffer, in the graph task of the group's backward (a
+        nested task, like a reentrant checkpoint's, may still run nodes that use the buffer's
+        parameters), while other buffers of the group still wait for gradients, the buffer is
+        reduced now (:meth:`_reduce_early`) instead of at the group's post-backward."""
+        key = id(param.buffer)
+        if key in self._reduced_early:
+            # A late gradient (see _late_gradient): finishing the first reduction drops
+            # every .grad of the buffer, this fresh one included, so it is kept aside.
+            fresh = param.unsharded.grad
+            self._late_gradient(param)
+            param.unsharded.grad = fresh
+            self.aim_grads(param.buffer)
+        elif key not in self._aimed:
+            self.aim_grads(param.buffer)
+            for p in self._params_of(param.buffer):
+                if p.trainable:
+                    p.hook_first_grad(p is param)
+        self._grads_computed += 1
+        if self._grads_computed == self._prefetch_point and self.prefetch_point_reached is not None:
+            self.prefetch_point_reached()
+        waiting = self._awaiting.get(key)
         if waiting is None:
             return
         waiting.discard(param.name)
@@ -798,7 +820,7 @@ class FSDPParamGroup:
         self._uninitialised.pop(id(old), None)  # the caller writes every parameter's values
         for p in list(self._params_of(old)):
             torch.utils.swap_tensors(p.sharded, p.sharded_on(target))
-            p.buffer, p.unsharded = target, None
+            p.rebind(target)
         return target
 
     def reset_iter_state(self) -> None:

@@ -77,7 +77,7 @@ class StepContext:
 
     def prefetch_for_backward(self, group: FSDPParamGroup, *, now: bool = False) -> None:
         """Queue ``group``'s all-gather for the backward; it starts once half of the current
-        group's gradients were computed (:meth:`FSDPParamGroup.grad_computed`), at the
+        group's gradients were accumulated (:meth:`FSDPParamGroup.grad_accumulated`), at the
         current group's post-backward at the latest. The gathered parameters then never
         coexist with the previous group's gradient buffer, nor with the current group's
         activations at their peak (its first gradient), and the gather still overlaps the
