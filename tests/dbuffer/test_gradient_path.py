@@ -94,6 +94,11 @@ def _gradient_path_case(case: Case) -> bool:
         assert not buf.grad_is_view(n, alias.grad)
         buf.fold_grad(n, alias.grad, includes_view=True)
     _check(buf, p, [0, 1, 2])
+    # a sparse gradient (nn.Embedding(sparse=True)) is never the view, and asking reads no
+    # storage (a sparse tensor has none)
+    for n in buf.names:
+        view = buf.grad_view(n)
+        assert not buf.grad_is_view(n, torch.zeros_like(view).to_sparse())
     name = p.entries[0].name
     with pytest.raises(ValueError, match=f"fold_grad\\('{name}'\\): gradient of shape"):
         buf.fold_grad(name, torch.zeros(7, 7))

@@ -14,7 +14,10 @@ same test (world sizes 2 and 3; the odd sizes leave ranks with zero units of sma
   optimizer step leaves them alone;
 * a forward whose order of layers changes between steps, so the parameter whose gradient
   arrives first in its buffer changes: the gradients still land in place from the second
-  step on, except where the first arrival moved (one copy then).
+  step on, except where the first arrival moved (one copy then); the same with a sparse
+  embedding gradient (one process only: FSDP2 has no sparse gradients);
+* a block's parameter used outside the block between two calls of it: its gradient arrives
+  while the block's own reduce-scatter is in flight.
 """
 
 from __future__ import annotations
@@ -254,14 +257,14 @@ def _gradient_memory_case(prefetch: bool, in_flight: bool) -> dict[str, Any]:
         post_backward(group, **kwargs)
         in_flight_seen.append(len(ctx.reducing))
 
-    def traced_aim(group: Any, original: Any, buffer: Any) -> None:
-        original(buffer)
+    def traced_aim(group: Any, original: Any, buffer: Any, **kwargs: Any) -> None:
+        original(buffer, **kwargs)
         # the moment a group's gradient buffer is allocated: count all that are alive
         grad_buffers_seen.append(sum(b.has_grad for g in groups for b in g.trainable_buffers))
 
     ctx.post_backward = traced_post_backward
     for g in groups:
-        g.aim_grads = functools.partial(traced_aim, g, g.aim_grads)  # grad_computed calls it
+        g.aim_grads = functools.partial(traced_aim, g, g.aim_grads)  # the gradient hooks call it
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
         model(_tokens(step, dist.get_rank())).float().pow(2).mean().backward()
@@ -623,3 +626,123 @@ def test_gradients_land_in_place_when_the_first_gradient_moves(ranks, world):
         # one hooked parameter per buffer: the second layer's, whose gradients come first
         assert [len(h) for h in ours["hooked"]] == [1] * len(_ORDERS), ours
         assert [h[0][0] for h in ours["hooked"]] == ["b", "b", "a", "a", "a", "b"], ours
+
+
+class _SparseFlip(nn.Module):
+    """A sparse embedding and a linear layer in one buffer, the order of their gradients
+    flipping each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8, sparse=True)
+        self.lin = nn.Linear(8, 8)
+        self.flip = False
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = torch.ones(tokens.shape + (8,))
+        if self.flip:
+            b = self.lin(x)
+            a = self.emb(tokens)
+        else:
+            a = self.emb(tokens)
+            b = self.lin(x)
+        return a * b
+
+
+def _sparse_run(impl: str | None) -> dict[str, torch.Tensor]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _SparseFlip()
+    if impl is not None:
+        import_fsdp(impl).fully_shard(model, mesh=device_mesh(world))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        model.flip = bool(step % 2)
+        for r in range(world) if impl is None else [rank]:
+            tokens = torch.randint(16, (4, 3), generator=torch.Generator().manual_seed(10 * step + r))
+            model(tokens).pow(2).mean().backward()
+        if impl is None:
+            for p in model.parameters():
+                p.grad = p.grad.to_dense() / world
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: full(p) for n, p in model.named_parameters()}
+
+
+def _sparse_case() -> float:
+    ref, got = _sparse_run(None), _sparse_run("fsdp")
+    return max((got[n] - ref[n]).abs().max().item() for n in ref)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sparse_embedding_gradient_arriving_first_or_not(ranks, world):
+    for error in ranks.run(world, _sparse_case):
+        assert error <= 1e-6, error
+
+
+class _TwiceCalled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2, self.lin3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, first: bool) -> torch.Tensor:
+        return x + torch.tanh((self.lin1 if first else self.lin2)(x))
+
+
+class _UsedBetweenCalls(nn.Module):
+    """The block is called twice and its ``lin3.bias`` is used outside it in between: in the
+    backward that gradient arrives after the second call's post-backward started the block's
+    reduce-scatter, before the first call's pre-backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.block = _TwiceCalled()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.block(self.embed(x), True)
+        return self.block(a + self.block.lin3.bias, False)
+
+
+def _between_run(impl: str | None) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _UsedBetweenCalls()
+    if impl is not None:
+        api, mesh = import_fsdp(impl), device_mesh(world)
+        api.fully_shard(model.block, mesh=mesh, reshard_after_forward=False)
+        api.fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for step in range(3):
+        for r in range(world) if impl is None else [rank]:
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + r))
+            model(x).pow(2).mean().backward()
+        if impl is None:
+            for p in model.parameters():
+                if p.grad is not None:  # lin3.weight is never used
+                    p.grad /= world
+        grads.append({n: full(p.grad) for n, p in model.named_parameters()
+                      if p.grad is not None})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"grads": grads, "params": {n: full(p) for n, p in model.named_parameters()}}
+
+
+def _between_case() -> dict[str, float]:
+    ref = _between_run(None)
+    out = {}
+    for impl in ("torch", "fsdp"):
+        got = _between_run(impl)
+        assert [sorted(g) for g in got["grads"]] == [sorted(r) for r in ref["grads"]], impl
+        errors = [(g[n] - r[n]).abs().max().item()
+                  for g, r in zip(got["grads"], ref["grads"]) for n in r]
+        errors += [(got["params"][n] - ref["params"][n]).abs().max().item() for n in ref["params"]]
+        out[impl] = max(errors)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradient_arriving_while_its_groups_reduction_is_in_flight(ranks, world):
+    for errors in ranks.run(world, _between_case):
+        assert errors["fsdp"] <= max(2 * errors["torch"], 1e-6), errors

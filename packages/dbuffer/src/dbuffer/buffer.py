@@ -653,8 +653,8 @@ class DBuffer:
         if tensor is view and view is not None:
             return True  # the per-step check of every aimed .grad: no more than this
         self._entry(name)
-        if tensor is None or view is None:
-            return False
+        if tensor is None or view is None or tensor.layout != torch.strided:
+            return False  # a sparse gradient (nn.Embedding(sparse=True)) has no storage
         return (tensor.untyped_storage()._cdata == view.untyped_storage()._cdata
                 and tensor.storage_offset() == view.storage_offset()
                 and tensor.shape == view.shape and tensor.stride() == view.stride()

@@ -219,7 +219,10 @@ class ManagedParam:
                              f"the unsharded parameter, {expected}, got "
                              f"{type(grad).__name__} of shape {tuple(grad.shape)}")
         with torch.no_grad():
-            view.copy_(local)
+            if local.layout == torch.strided:
+                view.copy_(local)
+            else:  # a sparse gradient (nn.Embedding(sparse=True)): no dense copy_ from one
+                view.zero_().add_(local)
         self.got_grad = True
 
     def release_grad(self, *, reduced: bool) -> None:
