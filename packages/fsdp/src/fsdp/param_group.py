@@ -461,7 +461,8 @@ class FSDPParamGroup:
             self._late_gradient(param)
         self.aim_grads(param.buffer)
 
-    def aim_grads(self, buffer: DBuffer, landed: ManagedParam | None = None) -> None:
+    def aim_grads(self, buffer: DBuffer,
+                  landed: tuple[ManagedParam, torch.Tensor | None] | None = None) -> None:
         """Before the first gradient of ``buffer`` in a backward is accumulated: finish the
         reductions in flight (the previous group's at this group's first gradient, and this
         group's own early ones, so their gradient memory is released before more is
@@ -469,18 +470,18 @@ class FSDPParamGroup:
         ``.grad`` in the buffer at the gradient buffer, so autograd accumulates in place.
 
         ``landed``: a parameter whose gradient autograd already accumulated elsewhere (the
-        buffer was not aimed). Finishing a reduction drops the ``.grad`` of every parameter
-        of the reduced buffers, ``landed``'s too when the buffer's own reduction is in
-        flight, so its ``.grad`` is kept aside across that and then copied in."""
+        buffer was not aimed), with that ``.grad`` as it was then. Finishing a reduction
+        drops the ``.grad`` of every parameter of the reduced buffers, ``landed``'s too when
+        the buffer's own reduction is in flight, so it is given back before being copied in."""
         if id(buffer) in self._aimed:
             return
-        kept = landed.unsharded.grad if landed is not None else None
         first = not self._aimed
         if first and self.before_grad_memory is not None:
             self.before_grad_memory()
         self.finish_reduce()
-        if kept is not None:
-            landed.unsharded.grad = kept
+        if landed is not None:
+            param, grad = landed
+            param.unsharded.grad = grad
         self._aimed.add(id(buffer))
         waiting = self._awaiting[id(buffer)] = set()
         for p in self._params_of(buffer):
@@ -513,18 +514,17 @@ class FSDPParamGroup:
         parameters), while other buffers of the group still wait for gradients, the buffer is
         reduced now (:meth:`_reduce_early`) instead of at the group's post-backward."""
         key = id(param.buffer)
-        if key in self._reduced_early:
-            # A late gradient (see _late_gradient), which drops every .grad of the buffer
-            # when it finishes the first reduction: this one is kept aside.
-            landed = param.unsharded.grad
-            self._late_gradient(param)
-            param.unsharded.grad = landed
-            self.aim_grads(param.buffer, landed=param)
-        elif key not in self._aimed:
-            self.aim_grads(param.buffer, landed=param)
-            for p in self._params_of(param.buffer):
-                if p.trainable:
-                    p.hook_first_grad(p is param)
+        late = key in self._reduced_early
+        if late or key not in self._aimed:
+            # Kept as it is now: the reductions finished on the way drop it (see aim_grads).
+            landed = (param, param.unsharded.grad)
+            if late:
+                self._late_gradient(param)
+            self.aim_grads(param.buffer, landed=landed)
+            if not late:
+                for p in self._params_of(param.buffer):
+                    if p.trainable:
+                        p.hook_first_grad(p is param)
         self._grads_computed += 1
         if self._grads_computed == self._prefetch_point and self.prefetch_point_reached is not None:
             self.prefetch_point_reached()
