@@ -34,7 +34,7 @@ import ctypes
 import itertools
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -292,6 +292,10 @@ class AllocatorTrace:
         events = sorted(_memory_events(self._prof.profiler.kineto_results.experimental_event_tree()),
                         key=lambda e: e[0])
         marker_sizes = set(self._marks.values()) | {t.marker for t in self._tags}
+        tagged_at: dict[int, list[int]] = {}
+        for tag in self._tags:
+            tagged_at.setdefault(tag.marker, []).extend(tag.ptrs)
+        held: set[int] = set()  # open blocks a tag names: the caller holds them
         instants: dict[int, int] = {}
         marker_ptrs: set[int] = set()
         times, live = [], []
@@ -300,14 +304,16 @@ class AllocatorTrace:
         base, previous = 0, None
         for t, ptr, size, total, scopes in events:
             if previous is not None:
-                _account_unseen(previous + size - total, t, open_allocs, done)
+                _account_unseen(previous + size - total, t, open_allocs, done, held)
             previous = total
             if size > 0 and size in marker_sizes and size not in instants:
                 instants[size] = t
                 marker_ptrs.add(ptr)
+                held.update(p for p in tagged_at.get(size, ()) if p in open_allocs)
                 if size == self._marks["begin"]:
                     base = total - size
                 continue
+            held.discard(ptr)
             if size > 0:
                 if ptr in open_allocs:  # its free happened on a thread without events
                     start, nbytes, where = open_allocs.pop(ptr)
@@ -353,7 +359,8 @@ without profiler state); such an allocation gets the fake address ``-t_ns``."""
 
 def _account_unseen(unseen: int, t_ns: int,
                     open_allocs: dict[int, tuple[int, int, tuple[str, ...]]],
-                    done: list[tuple[int, int, int, int | None, tuple[str, ...]]]) -> None:
+                    done: list[tuple[int, int, int, int | None, tuple[str, ...]]],
+                    held: Collection[int] = ()) -> None:
     """Account for allocator activity without events between two events (gloo's worker
     threads have no profiler state: what they allocate or free shows only as a jump of the
     next event's ``total_allocated``). ``unseen < 0``: bytes allocated silently, opened as an
@@ -361,37 +368,40 @@ def _account_unseen(unseen: int, t_ns: int,
     this order: one block made on a worker or by a collective; bytes of the open worker blocks
     (their sizes are only differences of two counts: under load another thread's allocation
     lands between an event and the count it reports, so a worker's block is seen merged with
-    another and its free does not match it); one block of any kind; two blocks whose sizes add
-    up (a worker that frees a collective's input and its staging copy before the next event).
-    What none of these explains stays unmatched and shows as unattributed bytes."""
+    another and its free does not match it); one block of any kind, the ones in ``held`` (the
+    caller's tags name them: it holds them, e.g. sharded parameters) last; two blocks whose
+    sizes add up (a worker that frees a collective's input and its staging copy before the next
+    event). What none of these explains stays unmatched and shows as unattributed bytes."""
     if unseen < 0:
         open_allocs[-t_ns] = (t_ns, -unseen, (WORKER_SCOPE,))
         return
-    if (unseen == 0 or _close_freed(unseen, t_ns, open_allocs, done, likely_only=True)
+    if (unseen == 0 or _close_freed(unseen, t_ns, open_allocs, done, held, likely_only=True)
             or _drain_worker_bytes(unseen, t_ns, open_allocs, done)
-            or _close_freed(unseen, t_ns, open_allocs, done)):
+            or _close_freed(unseen, t_ns, open_allocs, done, held)):
         return
     sizes = Counter(n for _, n, _ in open_allocs.values())
     for first in sorted(sizes):
         second = unseen - first
         if second > 0 and sizes[second] >= 1 + (second == first):
-            _close_freed(first, t_ns, open_allocs, done)
-            _close_freed(second, t_ns, open_allocs, done)
+            _close_freed(first, t_ns, open_allocs, done, held)
+            _close_freed(second, t_ns, open_allocs, done, held)
             return
 
 
 def _close_freed(nbytes: int, t_ns: int,
                  open_allocs: dict[int, tuple[int, int, tuple[str, ...]]],
                  done: list[tuple[int, int, int, int | None, tuple[str, ...]]],
-                 likely_only: bool = False) -> bool:
+                 held: Collection[int] = (), likely_only: bool = False) -> bool:
     """Close one open block of ``nbytes`` freed silently at ``t_ns``, preferring one made on
     a worker thread, then one a collective made (gloo's staging copies die on its worker
-    threads; an unsharded buffer of the same size does not), then the oldest
-    (``likely_only``: only the first two kinds). False when there is none."""
+    threads; an unsharded buffer of the same size does not), then the oldest one not in
+    ``held``, then the oldest in it (``likely_only``: only the first two kinds). False when
+    there is none. Without ``held`` the oldest block of a size would be the first taken, and
+    the oldest are the model's own (a sharded parameter of a collective's size)."""
     def likeliest(item: tuple[int, tuple[int, int, tuple[str, ...]]]) -> tuple[int, int]:
         ptr, (start, _, scopes) = item
         rank = 0 if scopes == (WORKER_SCOPE,) else 1 if any(
-            s.startswith("c10d::") for s in scopes) else 2
+            s.startswith("c10d::") for s in scopes) else 3 if ptr in held else 2
         return rank, start
 
     matches = [item for item in open_allocs.items() if item[1][1] == nbytes]

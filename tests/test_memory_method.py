@@ -15,6 +15,7 @@ so a fix that meets them turns into a failure until the marks come off.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +235,33 @@ def test_silent_frees_close_the_right_allocation() -> None:
     alloc_bytes._account_unseen(100, 95, open_allocs, done)
     assert done[-1] == (90, -90, 100, 95, worker) and open_allocs[-90] == (90, 20, worker)
     assert open_allocs[2] == (20, 64, ("b",))
+    # a block the caller's tags name (it holds it) is taken last, however old
+    open_allocs = {1: (10, 64, ("a",)), 2: (20, 64, ("b",))}
+    alloc_bytes._account_unseen(64, 30, open_allocs, done, held={1})
+    assert done[-1] == (20, 2, 64, 30, ("b",)) and set(open_allocs) == {1}
+
+
+def test_a_silent_free_leaves_the_tagged_block_of_its_size_live() -> None:
+    """A thread without profiler state frees a buffer the size of an older tagged one (a
+    gloo worker dropping a collective's buffer the size of a sharded parameter, seen in CI on
+    2026-11-28 as 12,800 bytes of sharded parameters missing between steps): the untagged
+    buffer is the one closed, the tagged one stays live with its category."""
+    alloc_bytes = load_benchmark("alloc_bytes")
+    box: dict[str, torch.Tensor] = {}
+    with alloc_bytes.AllocatorTrace() as trace:
+        held = torch.empty(4096)
+        trace.tag("sharded params", [held])
+        box["collective"] = torch.empty(4096)
+        worker = threading.Thread(target=box.clear)
+        worker.start()
+        worker.join()
+        small = torch.empty(10)
+        trace.mark("after")
+    timeline = trace.timeline()
+    at = timeline.marks["after"]
+    live = timeline.live_at(at)
+    assert sum(a.nbytes for a in live) == timeline.bytes_at(at) == held.nbytes + small.nbytes
+    assert [(a.tag, a.nbytes) for a in live] == [("sharded params", 16384), (None, 40)]
 
 
 def test_unseen_frees_are_taken_off_the_live_set() -> None:
