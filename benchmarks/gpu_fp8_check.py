@@ -11,7 +11,8 @@ Prints one JSON line (and writes it to ``--out`` when given):
   activation scales (``ScalingType.BlockWise128x128`` / ``BlockWise1x128``; SM90 and cuBLASLt
   >= 12.9) against dequantize-then-matmul in fp32: relative error, or why it did not run;
 * ``all_gather``: fsdp's all-gather of one LLaMA-8B-sized block on NCCL at world size 1,
-  FP8 (``quantize_all_gather=BlockwiseFP8()``) vs bf16: bytes and median time.
+  FP8 (``quantize_all_gather=BlockwiseFP8()``) vs bf16: bytes and median time
+  (``--torch-2.11-shim``: on torch 2.11, with :mod:`torch_211_shim`).
 
 Run on a machine with a GPU: ``python benchmarks/gpu_fp8_check.py [--out FILE]``
 (well under two minutes on an H100). Without CUDA it prints ``{"skipped": ...}``.
@@ -30,7 +31,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 # benchmarks/dbuffer.py would shadow the dbuffer package: this folder goes last
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE.parent)]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE.parent),
+                                                                       str(HERE)]
 
 import torch  # noqa: E402
 
@@ -146,11 +148,15 @@ def check_scaled_mm() -> dict[str, Any]:
             "close": bool(err < 1e-2)}
 
 
-def check_all_gather(iters: int = 10) -> dict[str, Any]:
+def check_all_gather(shim: bool = False, iters: int = 10) -> dict[str, Any]:
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
+    if shim:
+        import torch_211_shim
+
+        torch_211_shim.install()
     import fsdp
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -206,6 +212,8 @@ def check_all_gather(iters: int = 10) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--torch-2.11-shim", dest="shim", action="store_true",
+                        help="run fsdp's all-gather on torch 2.11 (benchmarks/torch_211_shim.py)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
@@ -213,9 +221,10 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0),
                               "capability": list(torch.cuda.get_device_capability(0)),
-                              "torch": torch.__version__, "cuda": torch.version.cuda}
+                              "torch": torch.__version__, "cuda": torch.version.cuda,
+                              "torch_211_shim": args.shim}
     for name, check in (("kernels", check_kernels), ("scaled_mm", check_scaled_mm),
-                        ("all_gather", check_all_gather)):
+                        ("all_gather", lambda: check_all_gather(args.shim))):
         try:
             report[name] = check()
         except Exception as error:  # noqa: BLE001 - one failing check must not hide the others

@@ -8,6 +8,13 @@ process so that one system's cached blocks never serve the other. With one GPU t
 is 1 (NCCL): FSDP2 still copies into and out of its all-gather and reduce-scatter buffers,
 fsdp's parameters and gradients are views of its buffers; both issue no collective.
 
+Every row also records the losses of its steps: both systems train the same model on the same
+tokens, so the two losses of a step agree to rounding, and the summary line gives the largest
+relative difference per mode (a run whose fsdp trained wrongly shows there, not only in time).
+
+``--torch-2.11-shim``: run fsdp on torch 2.11 (the lent GPU image's) with
+:mod:`torch_211_shim`; the rows and the JSON record whether it was used.
+
 Run on a CUDA machine: ``python benchmarks/gpu_memory.py [--layers 8 --dim 2048 ...]``;
 prints one JSON line per (system, mode) and a summary line with the ratios, and writes
 ``benchmarks/results/gpu_memory.json``.
@@ -30,21 +37,25 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+import torch_211_shim  # noqa: E402
 from train_step import Llama, ModelConfig, _loss  # noqa: E402
 
 RESULTS = _HERE / "results" / "gpu_memory.json"
 SYSTEMS = {"fsdp": "fsdp", "fsdp2": "torch.distributed.fsdp"}
 
 
-def measure(system: str, mode: str, cfg: ModelConfig, steps: int, warmup: int) -> dict:
-    """One (system, mode) in this process: peaks over the measured steps and the median
-    step time."""
+def measure(system: str, mode: str, cfg: ModelConfig, steps: int, warmup: int,
+            shim: bool = False) -> dict:
+    """One (system, mode) in this process: peaks over the measured steps, the median
+    step time and every step's loss."""
     import importlib
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29611")
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
+    if shim and system == "fsdp":
+        torch_211_shim.install()
     api = importlib.import_module(SYSTEMS[system])
     mesh = init_device_mesh("cuda", (1,))
     torch.manual_seed(0)
@@ -59,20 +70,24 @@ def measure(system: str, mode: str, cfg: ModelConfig, steps: int, warmup: int) -
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(cfg.vocab, (cfg.batch_per_rank, cfg.seq + 1), generator=g).cuda()
-    times = []
+    times, losses = [], []
     for step in range(warmup + steps):
         if step == warmup:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        _loss(model, tokens, cfg.vocab).backward()
+        loss = _loss(model, tokens, cfg.vocab)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         if step >= warmup:
             times.append(time.perf_counter() - start)
+        losses.append(loss.item())
     out = {"system": system, "mode": mode, "device": torch.cuda.get_device_name(0),
+           "torch": torch.__version__, "torch_211_shim": shim and system == "fsdp",
+           "losses": losses,
            "max_allocated_mb": torch.cuda.max_memory_allocated() / 2**20,
            "max_reserved_mb": torch.cuda.max_memory_reserved() / 2**20,
            "between_steps_mb": torch.cuda.memory_allocated() / 2**20,
@@ -93,13 +108,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--modes", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--torch-2.11-shim", dest="shim", action="store_true",
+                        help="let ragged_dtensor install on torch 2.11 (see the docstring)")
     parser.add_argument("--one", nargs=2, metavar=("SYSTEM", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     cfg = ModelConfig(layers=args.layers, dim=args.dim, heads=args.heads, ffn=args.ffn,
                       vocab=args.vocab, seq=args.seq, batch_per_rank=args.batch)
     if args.one:
-        print(json.dumps(measure(*args.one, cfg, args.steps, args.warmup)), flush=True)
+        print(json.dumps(measure(*args.one, cfg, args.steps, args.warmup, args.shim)), flush=True)
         return
     rows = []
     for mode in args.modes:
@@ -108,6 +125,7 @@ def main() -> None:
                    "--dim", str(args.dim), "--heads", str(args.heads), "--ffn", str(args.ffn),
                    "--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch),
                    "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            cmd += ["--torch-2.11-shim"] if args.shim else []
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             line = [x for x in done.stdout.splitlines() if x.startswith("{")]
             if not line:
@@ -121,6 +139,8 @@ def main() -> None:
         if len(by) == 2:
             ratios[mode] = {k: by["fsdp"][k] / by["fsdp2"][k]
                             for k in ("max_allocated_mb", "max_reserved_mb", "step_ms")}
+            ratios[mode]["loss_max_rel_diff"] = max(
+                abs(a - b) / abs(b) for a, b in zip(by["fsdp"]["losses"], by["fsdp2"]["losses"]))
     print(json.dumps({"ratios_fsdp_over_fsdp2": ratios}), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows, "ratios": ratios}, indent=1) + "\n")
