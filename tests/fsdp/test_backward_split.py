@@ -17,6 +17,7 @@ reduction of a buffer whose gradients are complete (:mod:`fsdp.param_group`).
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -104,7 +105,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _train(impl: str | None, world: int, *, mesh_shape: tuple[int, ...] | None = None,
            reuse_outside: bool = False, accumulate: bool = False, in_backward: bool = False,
            undetected: bool = False, skip_on_rank1: bool = False, detached_use: bool = False,
-           unused_flag: bool = True, **kwargs: Any) -> dict[str, Any]:
+           unused_flag: bool = True, norm_bias: bool = True, **kwargs: Any) -> dict[str, Any]:
     """``STEPS`` AdamW steps on the global batch of ``world`` ranks, in one process
     (``impl=None``) or on this rank's slice, sharded by ``impl`` (``kwargs`` to each
     ``fully_shard``); ``accumulate`` runs two micro-batches per step, the first without
@@ -113,7 +114,7 @@ def _train(impl: str | None, world: int, *, mesh_shape: tuple[int, ...] | None =
     backward fsdp cannot see) and keeps the parameters gathered after backward, which the
     checkpoint's recompute reads; ``skip_on_rank1`` leaves ``w_down`` unused on rank 1 (with
     ``set_reduce_scatter_unused_params(unused_flag)``); ``detached_use`` also uses ``w_up``
-    detached."""
+    detached; ``norm_bias=False`` gives every norm a weight only (as RMSNorm has)."""
     from fsdp import param_group
 
     walk = param_group._holds_reentrant_checkpoint
@@ -122,6 +123,9 @@ def _train(impl: str | None, world: int, *, mesh_shape: tuple[int, ...] | None =
         param_group._holds_reentrant_checkpoint = lambda outputs, group, limit: False
     try:
         model = Model(reuse_outside, skip_on_rank1, detached_use)
+        if not norm_bias:
+            for layer in model.layers:
+                layer.attn_norm, layer.mlp_norm = (nn.LayerNorm(DIM, bias=False) for _ in range(2))
         return _steps(impl, world, mesh_shape, model, accumulate, in_backward, undetected,
                       unused_flag, kwargs)
     finally:
@@ -180,7 +184,8 @@ def _steps(impl: str | None, world: int, mesh_shape: tuple[int, ...] | None, mod
             optimizer.zero_grad()
     return {"losses": losses, "first_grads": first_grads,
             "params": {n: _full(p) for n, p in model.named_parameters()},
-            "buffers": watch.get("buffers"), "seen": watch.get("seen"),
+            "buffers": watch.get("buffers"), "padding": watch.get("padding"),
+            "seen": watch.get("seen"),
             "root_seen": watch.get("root_seen"), "root_stages": watch.get("root_stages"),
             "late": watch["late"][0] if watch else None,
             "reentrant": watch["reentrant"]() if watch else None}
@@ -233,6 +238,7 @@ def _watch(model: nn.Module) -> dict[str, Any]:
     for p in last.params:
         p.on_accumulated = first_of_last
     return {"buffers": counts, "seen": seen, "late": late, "root_seen": root_seen,
+            "padding": [[b.plan.padding for b in g.trainable_buffers] for g in groups],
             "root_stages": [[p.name for p in root.params if p.buffer is b]
                             for b in root.trainable_buffers],
             "reentrant": lambda: [g.reentrant_inside for g in groups]}
@@ -333,6 +339,35 @@ def test_split_blocks_reduce_early_and_train_like_fsdp2(ranks, world, mesh_shape
                                        ["embed.weight"]]
         assert ours["root_seen"] == [(True, False, False)] + [(False, False, False)] * (
             STEPS - 1), ours["root_seen"]
+        assert _error(ours["first_grads"], theirs["first_grads"]) <= 1e-6
+        bound = max(2 * _loss_error(theirs["losses"], reference["losses"]), 1e-6)
+        assert _loss_error(ours["losses"], reference["losses"]) <= bound
+        bound = max(2 * _error(theirs["params"], reference["params"]), 1e-6)
+        assert _error(ours["params"], reference["params"]) <= bound
+
+
+def _weight_only_norms(world: int) -> dict[str, Any]:
+    return {impl: _train(impl, world, norm_bias=False) for impl in ("torch", "fsdp")}
+
+
+def test_weight_only_norms_straddle_the_rank_boundaries_rows_cannot(ranks):
+    """At 4 ranks, a block's second stage (two weight-only norms, four 512x512 matrices and
+    the 2048x512 gate) puts two rank boundaries half a row into any run of matrices: in module
+    order its buffer pads a row's half per rank; planned in the order that pads least, the
+    norms straddle those two boundaries and nothing is padded. Training is unchanged."""
+    from layout_planner import TensorSpec, plan_buckets
+
+    def spec(name: str, shape: tuple[int, ...]) -> TensorSpec:
+        return TensorSpec(name, math.prod(shape), shape[-1] if len(shape) > 1 else 1, shape)
+
+    stage = [spec("attn_norm", (DIM,)), spec("mlp_norm", (DIM,)),
+             *(spec(n, (DIM, DIM)) for n in ("wq", "wk", "wv", "wo")), spec("w_gate", (FFN, DIM))]
+    module_order = plan_buckets(stage, 4, align=4, bucket_cost=1 << 20)
+    assert [p.padding for p in module_order] == [4 * DIM // 2]
+    reference = _train(None, 4, norm_bias=False)
+    for out in ranks.run(4, _weight_only_norms, 4):
+        ours, theirs = out["fsdp"], out["torch"]
+        assert ours["padding"] == [[0, 0], [0, 0]]
         assert _error(ours["first_grads"], theirs["first_grads"]) <= 1e-6
         bound = max(2 * _loss_error(theirs["losses"], reference["losses"]), 1e-6)
         assert _loss_error(ours["losses"], reference["losses"]) <= bound

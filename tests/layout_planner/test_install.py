@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import layout_planner
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -31,7 +33,7 @@ def test_bare_venv_install(tmp_path: Path) -> None:
     package = str(ROOT / "packages" / "layout-planner")
     run(str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", package)
     added = {p.name for p in site.iterdir()} - before
-    assert added == {"layout_planner", "layout_planner-0.1.0.dist-info"}, added
+    assert added == {"layout_planner", f"layout_planner-{layout_planner.__version__}.dist-info"}, added
     cli = str(bindir / "layout-planner")
     out = run(cli, "report", "--model", "llama3-8b", "--world-size", "1024", "--unit", "rows:1")
     assert "llama3-8b" in out and "7.69%" in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 
@@ -89,6 +90,61 @@ def test_tiny_instances_match_exhaustive_search(probing: bool, monkeypatch: pyte
     assert max(ratios) <= 1.25
     if probing:
         assert max(ratios) == 1
+
+
+def test_reorder_matches_exhaustive_search_over_every_order() -> None:
+    # With reordering, a tiny group's shard size is the exhaustive optimum over all of its
+    # orders (every order's exhaustive search above, then the best); the sorted orders alone
+    # miss it in some of these cases (counted: the new orders must matter).
+    search.solve.cache_clear()
+    rng = random.Random(20261128)
+    missed_by_sorting = 0
+    for _ in range(150):
+        sizes = tuple((rng.randint(1, 30), rng.choice([1, 1, 2, 3, 4, 6, 8])) for _ in range(rng.randint(2, 4)))
+        world, align = rng.randint(2, 4), rng.choice([1, 2])
+        best = min(_brute_force_shard_size(order, world, align) for order in set(itertools.permutations(sizes)))
+        specs = [TensorSpec(f"t{i}", n, u) for i, (n, u) in enumerate(sizes)]
+        got = plan(specs, world, align=align, reorder=True)
+        check_plan(got, specs, keep_order=False)
+        assert got.shard_size == best, f"{sizes} world {world} align {align}"
+        sorted_only = min(_brute_force_shard_size(tuple(sizes[i] for i in order), world, align)
+                          for order in search._candidate_orders(
+                              tuple(n for n, _ in sizes), tuple(u for _, u in sizes)))
+        missed_by_sorting += sorted_only > best
+    search.solve.cache_clear()
+    assert missed_by_sorting > 0
+
+
+def test_reorder_puts_a_blocks_norm_weights_on_its_rank_boundaries() -> None:
+    # A LLaMA block's first backward stage at d_model 1024, 4 ranks, fp32 (align 4): in module
+    # order the norm weights come first and every rank pads 512 elements; the two rank
+    # boundaries that fall half a row off every matrix are straddled by the two norm weights.
+    d, f = 1024, 4096
+    shapes = [(d,), (d,), (d, d), (d, d), (d, d), (d, d), (f, d)]
+    names = ["attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate"]
+    specs = [TensorSpec(n, math.prod(s), s[-1] if len(s) > 1 else 1, s) for n, s in zip(names, shapes)]
+    kept, moved = plan(specs, 4, align=4), plan(specs, 4, align=4, reorder=True)
+    check_plan(moved, specs, keep_order=False)
+    assert (kept.padding, moved.padding) == (4 * 512, 0)
+    cut = {e.name for e in moved.entries for k in (1, 3)
+           if e.offset < k * moved.shard_size < e.offset + e.numel}
+    assert cut == {"attn_norm", "mlp_norm"}
+
+
+def test_reorder_keeps_the_given_order_when_it_is_as_good() -> None:
+    specs = [TensorSpec("a", 64, 8), TensorSpec("b", 8), TensorSpec("c", 64, 8)]
+    assert [e.name for e in plan(specs, 4, reorder=True).entries] == ["a", "b", "c"]
+
+
+def test_every_distinct_order_within_the_budget_and_none_past_it() -> None:
+    # kinds (5, 1) x 2, (7, 1), (9, 2): 4! / 2! = 12 orders, the two (5, 1) in their given order
+    orders = list(search._distinct_orders((5, 7, 5, 9), (1, 1, 1, 2)))
+    assert len(orders) == len(set(orders)) == 12
+    assert all(order.index(0) < order.index(2) for order in orders)
+    assert len({tuple((5, 7, 5, 9)[i] for i in order) for order in orders}) == 12
+    # 10 tensors of 5 kinds: 10! / 2!^5 = 113,400 orders, past the budget; one kind: one order
+    assert list(search._distinct_orders(tuple(range(5)) * 2, (1,) * 10)) == []
+    assert list(search._distinct_orders((4,) * 3000, (1,) * 3000)) == []
 
 
 def test_llama3_8b_layer_at_1024_ranks_forced_onto_the_lcm() -> None:

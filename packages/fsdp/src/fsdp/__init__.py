@@ -35,4 +35,4 @@ __all__ = [
     "row_unit",
     "set_roll_call_timeout",
 ]
-__version__ = "0.8.2"
+__version__ = "0.8.3"

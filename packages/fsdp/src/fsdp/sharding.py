@@ -210,7 +210,8 @@ def signature(collected: list[Collected], units: dict[str, int],
 
 def _plans(members: list[Collected], stored: dict[str, torch.Tensor], units: dict[str, int],
            dims: dict[str, DimShard], shard_size: int, align: int, cost: int) -> list[Plan]:
-    """The buckets of one kind: the dim-0 parameters planned together, and a bucket of its
+    """The buckets of one kind: the dim-0 parameters planned together (in the order that pads
+    least: :func:`~layout_planner.plan` with ``reorder``), and a bucket of its
     own for each ``Shard(d > 0)`` parameter, one chunk per rank (see :mod:`fsdp.dim_shard`;
     the collectives' alignment is dropped where the chunk does not keep it, since every rank
     boundary must fall exactly between chunks)."""
@@ -219,7 +220,8 @@ def _plans(members: list[Collected], stored: dict[str, torch.Tensor], units: dic
                           tuple(stored[c.name].shape))
 
     rows = [spec(c) for c in members if c.name not in dims]
-    plans = plan_buckets(rows, shard_size, align=align, bucket_cost=cost) if rows else []
+    plans = (plan_buckets(rows, shard_size, align=align, bucket_cost=cost, reorder=True)
+             if rows else [])
     for c in members:
         if c.name not in dims:
             continue

@@ -19,4 +19,4 @@ from layout_planner.spec import TensorSpec
 __all__ = [
     "Cluster", "Link", "Plan", "PlanEntry", "TensorSpec", "assign_owners", "plan", "plan_buckets", "predict_step",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -151,13 +151,14 @@ def _starts(kinds: list[tuple[int, int]], counts: list[int], max_buckets: int) -
 
 def plan_buckets(
     specs: Iterable[TensorSpec], world_size: int, *, align: int = 1, max_buckets: int = 4,
-    bucket_cost: int = 0,
+    bucket_cost: int = 0, reorder: bool = False,
 ) -> list[Plan]:
     """Plan one group as up to ``max_buckets`` buffers with the least total padding found.
 
     Every tensor lands in exactly one bucket, tensors keep their relative order inside a
-    bucket, and each bucket is an ordinary :class:`Plan` (one collective each). Buckets come in
-    the order of their first tensor. Ties in padding go to fewer buckets.
+    bucket (unless ``reorder``), and each bucket is an ordinary :class:`Plan` (one collective
+    each). Buckets come in the order of their first tensor. Ties in padding go to fewer
+    buckets.
 
     Args:
         specs: The tensors of one group, in order.
@@ -167,6 +168,9 @@ def plan_buckets(
         bucket_cost: Padding elements (summed over ranks) each extra buffer must save to be
             worth it: every buffer is one more collective per pass, whose latency costs as
             much as moving some bytes (``0``: least padding wins).
+        reorder: Plan each bucket with ``reorder=True`` (see
+            :func:`~layout_planner.planner.plan`): its tensors may be laid out in another order
+            where that pads less.
 
     Returns:
         The plans, one per non-empty bucket.
@@ -180,7 +184,7 @@ def plan_buckets(
     check_positive("max_buckets", max_buckets)
     if isinstance(bucket_cost, bool) or not isinstance(bucket_cost, int) or bucket_cost < 0:
         raise ValueError(f"bucket_cost must be a non-negative int, got {bucket_cost!r}")
-    single = plan(specs, world_size, align=align)
+    single = plan(specs, world_size, align=align, reorder=reorder)
     if max_buckets == 1 or len(specs) < 2:
         return [single]
     kinds = list(dict.fromkeys((s.numel, s.unit) for s in specs))
@@ -197,7 +201,7 @@ def plan_buckets(
         if canonical in tried:
             continue
         tried.add(canonical)
-        plans = _realise(specs, kinds, kind_of, split, world_size, align)
+        plans = _realise(specs, kinds, kind_of, split, world_size, align, reorder)
         key = (sum(p.padding for p in plans) + bucket_cost * (len(plans) - 1), len(plans))
         if key < best_key:
             best_plans, best_key = plans, key
@@ -211,6 +215,7 @@ def _realise(
     split: Split,
     world_size: int,
     align: int,
+    reorder: bool,
 ) -> list[Plan]:
     """Plan each bucket of a split: the i-th tensor of a kind goes to the bucket its count reaches."""
     remaining = [list(b) for b in split]
@@ -221,4 +226,4 @@ def _realise(
         remaining[b][k] -= 1
         members[b].append(s)
     groups = sorted((m for m in members if m), key=lambda m: specs.index(m[0]))
-    return [plan(m, world_size, align=align) for m in groups]
+    return [plan(m, world_size, align=align, reorder=reorder) for m in groups]

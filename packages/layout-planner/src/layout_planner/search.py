@@ -23,6 +23,9 @@ and unit ``g``; rank ``k`` owns ``[k*S, (k+1)*S)``.
   whose straddles are then free; all of them gives the *comfortable* lattice) for a feasible
   cap, and gallop and binary-search the lattice below it. The first feasible ``S`` found in the
   lowest interval is the answer.
+* **Orders** (``reorder``). Searched as above: the given order, by size and by unit. If the
+  best of them misses the bound, every distinct order of a small group is probed at the
+  admissible values below it (the bound holds for every order, so reaching it ends the search).
 
 Everything is integer arithmetic on the inputs, so every rank computes the same plan.
 """
@@ -43,6 +46,10 @@ _PROBE_PLACEMENTS = 100_000
 # whose every subset is tried.
 _EASY_PROBES = 2
 _SUBSET_UNITS = 5
+# With reordering, every distinct order of a group's tensors is probed when there are at most
+# this many (tensors of equal size and unit are interchangeable; a transformer block's buffer
+# has a few dozen), the probes of all of them sharing _PROBE_PLACEMENTS.
+_ORDER_BUDGET = 256
 
 
 def ceil_to(value: int, multiple: int) -> int:
@@ -250,15 +257,91 @@ def _partial_lattice_cap(
 
 
 def _candidate_orders(numels: tuple[int, ...], units: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The given order, by size and by unit, each once."""
     n = len(numels)
     given = tuple(range(n))
     by_size = tuple(sorted(given, key=lambda i: (-numels[i], i)))
     by_unit = tuple(sorted(given, key=lambda i: (-units[i], -numels[i], i)))
-    orders = []
-    for order in (given, by_size, by_unit):
-        if order not in orders:
-            orders.append(order)
+    return list(dict.fromkeys((given, by_size, by_unit)))
+
+
+def _distinct_orders(numels: tuple[int, ...], units: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every order of the tensors that differs in some position's size or unit, when there are
+    at most :data:`_ORDER_BUDGET` of them (else none), in a fixed sequence; tensors of one kind
+    keep their given relative order.
+
+    Small tensors can then sit where a rank boundary falls off every larger tensor's units
+    (two norm weights straddling two boundaries of a block, say), which the sorted orders
+    never try."""
+    kinds = list(dict.fromkeys(zip(numels, units)))
+    if len(kinds) < 2:  # one order only: the given one
+        return []
+    members = {k: [i for i, key in enumerate(zip(numels, units)) if key == k] for k in kinds}
+    count, placed = 1, 0
+    for k in kinds:
+        placed += len(members[k])
+        count *= math.comb(placed, len(members[k]))
+        if count > _ORDER_BUDGET:
+            return []
+    left = {k: len(members[k]) for k in kinds}
+    sequence: list[tuple[int, int]] = []
+    orders: list[tuple[int, ...]] = []
+
+    def extend() -> None:
+        if len(sequence) == len(numels):
+            taken = {k: iter(members[k]) for k in kinds}
+            orders.append(tuple(next(taken[k]) for k in sequence))
+            return
+        for k in kinds:
+            if left[k]:
+                left[k] -= 1
+                sequence.append(k)
+                extend()
+                sequence.pop()
+                left[k] += 1
+
+    extend()
     return orders
+
+
+def _admissible(numels: Sequence[int], units: Sequence[int], world_size: int, align: int,
+                below: int, count: int) -> list[int]:
+    """The first ``count`` shard sizes below ``below`` that the structure allows (the lattices
+    of :func:`lcm_intervals`), in increasing order."""
+    out: list[int] = []
+    for low, high, lattice, _ in lcm_intervals(numels, units, world_size, align):
+        s = ceil_to(low, lattice)
+        while (high is None or s <= high) and s < below and len(out) < count:
+            out.append(s)
+            s += lattice
+        if s >= below or len(out) == count:
+            break
+    return out
+
+
+def _better_order(numels: tuple[int, ...], units: tuple[int, ...], world_size: int, align: int,
+                  best: tuple[int, tuple[int, ...]], bound: int) -> tuple[int, tuple[int, ...]]:
+    """``best`` or a distinct order that fits a smaller shard size, probing each order at the
+    smallest admissible sizes below the best so far; the probes share one budget of tensor
+    placements, so a group with many orders probes each fewer sizes."""
+    tried = set(_candidate_orders(numels, units))
+    orders = [o for o in _distinct_orders(numels, units) if o not in tried]
+    if not orders:
+        return best
+    probes = max(1, _PROBE_PLACEMENTS // (len(numels) * len(orders)))
+    sizes = _admissible(numels, units, world_size, align, best[0], probes)
+    for order in orders:
+        n = tuple(numels[i] for i in order)
+        u = tuple(units[i] for i in order)
+        for s in sizes:
+            if s >= best[0]:
+                break
+            if walk(n, u, s, world_size, align) is not None:
+                best = (s, order)
+                break
+        if best[0] == bound:
+            break
+    return best
 
 
 @lru_cache(maxsize=1024)
@@ -272,23 +355,27 @@ def solve(
         units: Unit of each tensor.
         world_size: Number of ranks.
         align: Alignment in elements.
-        reorder: Also try the tensors sorted by size and by unit, keep the best.
+        reorder: Also try the tensors sorted by size and by unit, and every distinct order
+            when there are few (:func:`_distinct_orders`); keep the first with the smallest
+            shard size (the given order on a tie).
 
     Returns:
         ``(S, order, offsets)``: the shard size, the buffer order as indices into the input,
         and the offset of each tensor in that order.
     """
     orders = _candidate_orders(numels, units) if reorder else [tuple(range(len(numels)))]
+    bound = shard_size_bound(numels, units, world_size, align)  # holds for every order
     best: tuple[int, tuple[int, ...]] | None = None
     for order in orders:
-        n = tuple(numels[i] for i in order)
-        u = tuple(units[i] for i in order)
-        if best is not None and shard_size_bound(n, u, world_size, align) >= best[0]:
-            continue
-        s = _search(n, u, world_size, align)
+        s = _search(tuple(numels[i] for i in order), tuple(units[i] for i in order),
+                    world_size, align)
         if best is None or s < best[0]:
             best = (s, order)
+        if best[0] == bound:
+            break
     assert best is not None
+    if reorder and best[0] > bound:
+        best = _better_order(numels, units, world_size, align, best, bound)
     s, order = best
     offsets = walk([numels[i] for i in order], [units[i] for i in order], s, world_size, align)
     assert offsets is not None
