@@ -56,8 +56,8 @@ def padding_grid(units: list[str] = UNITS) -> list[GroupReport]:
 
 
 def speed() -> dict[str, float]:
-    """The issue's three speed targets, and plan_buckets as fsdp calls it (``reorder=True``),
-    best of three cold runs."""
+    """The issue's three speed targets, and plan_buckets with ``reorder=True`` (fsdp plans
+    with it), best of three cold runs."""
     ds = next(g for g in get_model("deepseek-v3").groups if g.name == "moe_layer").specs(parse_unit("rows:1"))
     llama70 = get_model("llama3-70b")
     rows1 = parse_unit("rows:1")
@@ -105,7 +105,7 @@ def targets(rows: list[GroupReport], times: dict[str, float]) -> list[tuple[str,
         ("llama3_70b_whole_model_plan_16384_s", "plan: whole LLaMA-3-70B @16384, rows:1", 0.3),
         ("deepseek_v3_moe_layer_plan_buckets_1024_s", "plan_buckets: DeepSeek-V3 MoE layer @1024", 1.0),
         ("deepseek_v3_moe_layer_plan_buckets_reorder_1024_s",
-         "plan_buckets, reorder=True (fsdp's call): DeepSeek-V3 MoE layer @1024", 1.0),
+         "plan_buckets, reorder=True (as fsdp plans): DeepSeek-V3 MoE layer @1024", 1.0),
     ):
         out.append((f"{text} <= {limit} s", times[key] <= limit, f"{times[key]:.3f} s"))
     return out

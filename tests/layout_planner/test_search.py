@@ -115,6 +115,30 @@ def test_reorder_matches_exhaustive_search_over_every_order() -> None:
     assert missed_by_sorting > 0
 
 
+def test_admissible_sizes_are_every_lattice_point_below_the_limit() -> None:
+    # against the intervals' definition, point by point: an interval that runs out before the
+    # limit must not end the list (the next one can still hold sizes below it)
+    rng = random.Random(7)
+    for _ in range(2000):
+        n = rng.randint(1, 6)
+        numels = tuple(rng.randint(1, 200) for _ in range(n))
+        units = tuple(rng.choice([1, 2, 3, 4, 16]) for _ in range(n))
+        world, align = rng.randint(2, 8), rng.choice([1, 2, 4])
+        intervals = search.lcm_intervals(numels, units, world, align)
+        below = rng.randint(1, 300)
+        expected = [s for s in range(1, below)
+                    if any(low <= s and (high is None or s <= high) and s % lattice == 0
+                           for low, high, lattice, _ in intervals)]
+        assert search._admissible(numels, units, world, align, below, 10**6) == expected
+        assert search._admissible(numels, units, world, align, below, 3) == expected[:3]
+    # the case that found it: 79 lies in an interval of its own, between 78's and 80's
+    specs = [TensorSpec(f"t{i}", n, u) for i, (n, u) in
+             enumerate([(157, 2), (80, 2), (88, 16), (115, 4), (28, 3)])]
+    got = plan(specs, 6, align=1, reorder=True)
+    check_plan(got, specs, keep_order=False)
+    assert got.shard_size == 79
+
+
 def test_reorder_puts_a_blocks_norm_weights_on_its_rank_boundaries() -> None:
     # A LLaMA block's first backward stage at d_model 1024, 4 ranks, fp32 (align 4): in module
     # order the norm weights come first and every rank pads 512 elements; the two rank

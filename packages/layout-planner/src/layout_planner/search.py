@@ -24,8 +24,9 @@ and unit ``g``; rank ``k`` owns ``[k*S, (k+1)*S)``.
   cap, and gallop and binary-search the lattice below it. The first feasible ``S`` found in the
   lowest interval is the answer.
 * **Orders** (``reorder``). Searched as above: the given order, by size and by unit. If the
-  best of them misses the bound, every distinct order of a small group is probed at the
-  admissible values below it (the bound holds for every order, so reaching it ends the search).
+  best of them misses the bound, every distinct order of a small group is probed at the first
+  admissible values below it, as many as a shared budget of placements allows (the bound holds
+  for every order, so reaching it ends the search).
 
 Everything is integer arithmetic on the inputs, so every rank computes the same plan.
 """
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
@@ -273,35 +275,36 @@ def _distinct_orders(numels: tuple[int, ...], units: tuple[int, ...]) -> list[tu
     Small tensors can then sit where a rank boundary falls off every larger tensor's units
     (two norm weights straddling two boundaries of a block, say), which the sorted orders
     never try."""
-    kinds = list(dict.fromkeys(zip(numels, units)))
-    if len(kinds) < 2:  # one order only: the given one
+    keys = list(zip(numels, units))
+    sizes = Counter(keys)  # kinds in order of first appearance
+    if len(sizes) < 2:  # one order only: the given one
         return []
-    members = {k: [i for i, key in enumerate(zip(numels, units)) if key == k] for k in kinds}
     count, placed = 1, 0
-    for k in kinds:
-        placed += len(members[k])
-        count *= math.comb(placed, len(members[k]))
+    for size in sizes.values():
+        placed += size
+        count *= math.comb(placed, size)
         if count > _ORDER_BUDGET:
             return []
-    left = {k: len(members[k]) for k in kinds}
-    sequence: list[tuple[int, int]] = []
+    kind_of = {k: i for i, k in enumerate(sizes)}
+    members: list[list[int]] = [[] for _ in sizes]
+    for i, key in enumerate(keys):
+        members[kind_of[key]].append(i)
+    # every arrangement of the kinds, in lexicographic order (the next-permutation step)
+    sequence = sorted(kind_of[key] for key in keys)
     orders: list[tuple[int, ...]] = []
-
-    def extend() -> None:
-        if len(sequence) == len(numels):
-            taken = {k: iter(members[k]) for k in kinds}
-            orders.append(tuple(next(taken[k]) for k in sequence))
-            return
-        for k in kinds:
-            if left[k]:
-                left[k] -= 1
-                sequence.append(k)
-                extend()
-                sequence.pop()
-                left[k] += 1
-
-    extend()
-    return orders
+    while True:
+        taken = [iter(m) for m in members]
+        orders.append(tuple(next(taken[k]) for k in sequence))
+        i = len(sequence) - 2
+        while i >= 0 and sequence[i] >= sequence[i + 1]:
+            i -= 1
+        if i < 0:
+            return orders
+        j = len(sequence) - 1
+        while sequence[j] <= sequence[i]:
+            j -= 1
+        sequence[i], sequence[j] = sequence[j], sequence[i]
+        sequence[i + 1:] = reversed(sequence[i + 1:])
 
 
 def _admissible(numels: Sequence[int], units: Sequence[int], world_size: int, align: int,
@@ -311,19 +314,22 @@ def _admissible(numels: Sequence[int], units: Sequence[int], world_size: int, al
     out: list[int] = []
     for low, high, lattice, _ in lcm_intervals(numels, units, world_size, align):
         s = ceil_to(low, lattice)
-        while (high is None or s <= high) and s < below and len(out) < count:
+        while (high is None or s <= high) and s < below:
+            if len(out) == count:
+                return out
             out.append(s)
             s += lattice
-        if s >= below or len(out) == count:
-            break
+        if high is None or high + 1 >= below:  # the next interval starts at high + 1
+            return out
     return out
 
 
 def _better_order(numels: tuple[int, ...], units: tuple[int, ...], world_size: int, align: int,
                   best: tuple[int, tuple[int, ...]], bound: int) -> tuple[int, tuple[int, ...]]:
     """``best`` or a distinct order that fits a smaller shard size, probing each order at the
-    smallest admissible sizes below the best so far; the probes share one budget of tensor
-    placements, so a group with many orders probes each fewer sizes."""
+    first admissible sizes below the best of the sorted orders (as many as one budget of
+    tensor placements shared by all orders allows: a group with many orders probes each at
+    fewer sizes)."""
     tried = set(_candidate_orders(numels, units))
     orders = [o for o in _distinct_orders(numels, units) if o not in tried]
     if not orders:
