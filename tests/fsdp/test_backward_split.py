@@ -17,7 +17,6 @@ reduction of a buffer whose gradients are complete (:mod:`fsdp.param_group`).
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Any
 
@@ -355,13 +354,13 @@ def test_weight_only_norms_straddle_the_rank_boundaries_rows_cannot(ranks):
     the 2048x512 gate) puts two rank boundaries half a row into any run of matrices: in module
     order its buffer pads a row's half per rank; planned in the order that pads least, the
     norms straddle those two boundaries and nothing is padded. Training is unchanged."""
-    from layout_planner import TensorSpec, plan_buckets
+    from layout_planner import plan_buckets
 
-    def spec(name: str, shape: tuple[int, ...]) -> TensorSpec:
-        return TensorSpec(name, math.prod(shape), shape[-1] if len(shape) > 1 else 1, shape)
+    from tests.layout_planner.validate import rows_spec
 
-    stage = [spec("attn_norm", (DIM,)), spec("mlp_norm", (DIM,)),
-             *(spec(n, (DIM, DIM)) for n in ("wq", "wk", "wv", "wo")), spec("w_gate", (FFN, DIM))]
+    stage = [rows_spec("attn_norm", (DIM,)), rows_spec("mlp_norm", (DIM,)),
+             *(rows_spec(n, (DIM, DIM)) for n in ("wq", "wk", "wv", "wo")),
+             rows_spec("w_gate", (FFN, DIM))]
     module_order = plan_buckets(stage, 4, align=4, bucket_cost=1 << 20)
     assert [p.padding for p in module_order] == [4 * DIM // 2]
     reference = _train(None, 4, norm_bias=False)

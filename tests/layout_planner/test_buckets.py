@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from layout_planner import TensorSpec, plan, plan_buckets
-from tests.layout_planner.validate import check_plan
+from tests.layout_planner.validate import check_plan, rows_spec
 
 
 def _check_split(buckets, specs, max_buckets: int) -> None:
@@ -61,8 +61,8 @@ def test_reorder_spares_a_llama_block_stage_its_padding() -> None:
     # (1 MiB per rank of fp32): one buffer either way, 512 elements of padding per rank in
     # module order and none reordered (the norm weights straddle two rank boundaries)
     d, f = 1024, 4096
-    specs = [_rows("attn_norm", (d,), 1), _rows("mlp_norm", (d,), 1),
-             *(_rows(n, (d, d), 1) for n in ("wq", "wk", "wv", "wo")), _rows("w_gate", (f, d), 1)]
+    specs = [rows_spec("attn_norm", (d,), 1), rows_spec("mlp_norm", (d,), 1),
+             *(rows_spec(n, (d, d), 1) for n in ("wq", "wk", "wv", "wo")), rows_spec("w_gate", (f, d), 1)]
     cost = 4 * (1 << 20) // 4
     kept = plan_buckets(specs, 4, align=4, bucket_cost=cost)
     moved = plan_buckets(specs, 4, align=4, bucket_cost=cost, reorder=True)
@@ -76,15 +76,11 @@ def test_one_bucket_equals_plan() -> None:
     assert plan_buckets(specs, 8, align=4, max_buckets=1) == [plan(specs, 8, align=4)]
 
 
-def _rows(name: str, shape: tuple[int, ...], rows: int) -> TensorSpec:
-    return TensorSpec(name, math.prod(shape), rows * shape[-1] if len(shape) > 1 else 1, shape)
-
-
 def test_llama3_8b_layer_buckets_remove_the_lcm_padding() -> None:
     h, f, kv = 4096, 14336, 1024
     shapes = {"in_norm": (h,), "q": (h, h), "k": (kv, h), "v": (kv, h), "o": (h, h), "post_norm": (h,),
               "gate": (f, h), "up": (f, h), "down": (h, f)}
-    specs = [_rows(n, s, 1) for n, s in shapes.items()]
+    specs = [rows_spec(n, s, 1) for n, s in shapes.items()]
     single = plan(specs, 1024, align=4)
     buckets = plan_buckets(specs, 1024, align=4)
     _check_split(buckets, specs, 4)
@@ -94,13 +90,13 @@ def test_llama3_8b_layer_buckets_remove_the_lcm_padding() -> None:
     assert {e.name for e in down.entries} == {"down"}  # the 14,336-row tensor gets its own lattice
 
 
-def test_mixtral_8x22b_layer_at_16_rows() -> None:
+def test_mixtral_8x22b_layer_at_16rows_spec() -> None:
     # Our arithmetic in the issue: one buffer pads ~28% (S a multiple of lcm(16*6144, 16*16384)).
     h, f, kv = 6144, 16384, 1024
-    specs = [_rows("in_norm", (h,), 16), _rows("q", (h, h), 16), _rows("k", (kv, h), 16), _rows("v", (kv, h), 16),
-             _rows("o", (h, h), 16), _rows("post_norm", (h,), 16), _rows("router", (8, h), 16)]
+    specs = [rows_spec("in_norm", (h,), 16), rows_spec("q", (h, h), 16), rows_spec("k", (kv, h), 16), rows_spec("v", (kv, h), 16),
+             rows_spec("o", (h, h), 16), rows_spec("post_norm", (h,), 16), rows_spec("router", (8, h), 16)]
     for e in range(8):
-        specs += [_rows(f"e{e}.w1", (f, h), 16), _rows(f"e{e}.w2", (h, f), 16), _rows(f"e{e}.w3", (f, h), 16)]
+        specs += [rows_spec(f"e{e}.w1", (f, h), 16), rows_spec(f"e{e}.w2", (h, f), 16), rows_spec(f"e{e}.w3", (f, h), 16)]
     single = plan(specs, 1024, align=4)
     assert single.shard_size % math.lcm(16 * h, 16 * f) == 0
     assert 0.25 < single.padding_ratio < 0.31
@@ -118,7 +114,7 @@ def test_bucket_cost_keeps_one_buffer_unless_a_split_saves_more_than_it_costs() 
     h, f, kv = 4096, 14336, 1024
     shapes = {"in_norm": (h,), "q": (h, h), "k": (kv, h), "v": (kv, h), "o": (h, h), "post_norm": (h,),
               "gate": (f, h), "up": (f, h), "down": (h, f)}
-    specs = [_rows(n, s, 1) for n, s in shapes.items()]
+    specs = [rows_spec(n, s, 1) for n, s in shapes.items()]
     single = plan(specs, 1024, align=4)
     free = plan_buckets(specs, 1024, align=4)
     saving = single.padding - sum(b.padding for b in free)

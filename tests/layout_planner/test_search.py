@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from layout_planner import TensorSpec, plan, search
 from layout_planner.search import shard_size_bound
-from tests.layout_planner.validate import check_plan
+from tests.layout_planner.validate import check_plan, rows_spec
 
 UNITS = st.sampled_from([1, 1, 2, 3, 4, 8, 16, 48, 100, 256, 1000])
 
@@ -146,7 +146,7 @@ def test_reorder_puts_a_blocks_norm_weights_on_its_rank_boundaries() -> None:
     d, f = 1024, 4096
     shapes = [(d,), (d,), (d, d), (d, d), (d, d), (d, d), (f, d)]
     names = ["attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate"]
-    specs = [TensorSpec(n, math.prod(s), s[-1] if len(s) > 1 else 1, s) for n, s in zip(names, shapes)]
+    specs = [rows_spec(n, s) for n, s in zip(names, shapes)]
     kept, moved = plan(specs, 4, align=4), plan(specs, 4, align=4, reorder=True)
     check_plan(moved, specs, keep_order=False)
     assert (kept.padding, moved.padding) == (4 * 512, 0)
@@ -175,7 +175,7 @@ def test_llama3_8b_layer_at_1024_ranks_forced_onto_the_lcm() -> None:
     # Every matrix holds whole shards, so S is a multiple of lcm(4096, 14336) = 28,672: ~7.7% padding.
     h, f, kv = 4096, 14336, 1024
     shapes = [(h,), (h, h), (kv, h), (kv, h), (h, h), (h,), (f, h), (f, h), (h, f)]
-    specs = [TensorSpec(f"w{i}", math.prod(s), s[-1] if len(s) > 1 else 1, s) for i, s in enumerate(shapes)]
+    specs = [rows_spec(f"w{i}", s) for i, s in enumerate(shapes)]
     p = plan(specs, 1024, align=4)
     check_plan(p, specs, keep_order=True)
     assert p.shard_size % 28672 == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from layout_planner import Plan, TensorSpec
@@ -49,3 +50,8 @@ def check_plan(p: Plan, specs: Sequence[TensorSpec], *, keep_order: bool) -> Non
         q = gcd(e.unit, e.numel)
         assert all((b - a) % q == 0 for a, b in pieces)
     assert p.padding == size - sum(s.numel for s in specs)
+
+
+def rows_spec(name: str, shape: tuple[int, ...], rows: int = 1) -> TensorSpec:
+    """A tensor whose unit is ``rows`` whole rows (a 1-D tensor: single elements)."""
+    return TensorSpec(name, math.prod(shape), rows * shape[-1] if len(shape) > 1 else 1, shape)
