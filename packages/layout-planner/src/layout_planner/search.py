@@ -157,11 +157,7 @@ def shard_size_bound(
     multiple of the unit of every tensor that would contain a whole shard. It holds for every
     order of the tensors.
     """
-    for low, high, lattice, _ in lcm_intervals(numels, units, world_size, align, total):
-        first = ceil_to(low, lattice)
-        if high is None or first <= high:
-            return first
-    raise AssertionError("the last interval is unbounded")
+    return _admissible(numels, units, world_size, align, None, 1, total)[0]
 
 
 def comfortable_shard_size(
@@ -308,19 +304,20 @@ def _distinct_orders(numels: tuple[int, ...], units: tuple[int, ...]) -> list[tu
 
 
 def _admissible(numels: Sequence[int], units: Sequence[int], world_size: int, align: int,
-                below: int, count: int) -> list[int]:
-    """The first ``count`` shard sizes below ``below`` that the structure allows (the lattices
-    of :func:`lcm_intervals`), in increasing order."""
+                below: int | None, count: int, total: int | None = None) -> list[int]:
+    """The first ``count`` shard sizes (below ``below``, if given) that the structure allows
+    (the lattices of :func:`lcm_intervals`, ``total`` as there), in increasing order. Without
+    ``below`` there are always ``count``: the last interval is unbounded."""
     out: list[int] = []
-    for low, high, lattice, _ in lcm_intervals(numels, units, world_size, align):
+    for low, high, lattice, _ in lcm_intervals(numels, units, world_size, align, total):
         s = ceil_to(low, lattice)
-        while (high is None or s <= high) and s < below:
+        while (high is None or s <= high) and (below is None or s < below):
             if len(out) == count:
                 return out
             out.append(s)
             s += lattice
-        if high is None or high + 1 >= below:  # the next interval starts at high + 1
-            return out
+        if high is None or (below is not None and high + 1 >= below):
+            return out  # the next interval starts at high + 1
     return out
 
 
