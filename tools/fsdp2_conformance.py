@@ -24,7 +24,7 @@ Each file runs under pytest in a subprocess of its own session, from a staging c
 device), with ``tools/fsdp2_shim`` first on ``PYTHONPATH``. Its ``sitecustomize`` runs in the
 pytest process and in every rank process the multi-process ``FSDPTest`` classes spawn:
 with ``--impl fsdp`` it rebinds ``torch.distributed.fsdp.fully_shard``, ``FSDPModule``,
-``UnshardHandle`` and ``register_fsdp_forward_method`` (and the legacy
+``UnshardHandle``, ``register_fsdp_forward_method`` and ``share_comm_ctx`` (and the legacy
 ``torch.distributed._composable.fsdp`` names) to fsdp's; with ``--ungate`` it makes
 ``skip_if_lt_x_gpu`` allow CPU and, without an accelerator, reports 8 devices, so
 ``FSDPTest`` runs its ranks on CPU/gloo instead of skipping. No run can hang: a file over

@@ -149,3 +149,48 @@ def test_fsdp2_private_state_names_read_as_on_fsdp2(ranks) -> None:
                                                      "1.1.weight"])
     assert theirs["to_run_partial"] == 1
     assert ours == theirs
+
+
+def pipeline_stages_with(fsdp_module: str, share: bool) -> dict[str, Any]:
+    """Two roots on one rank (pipeline stages), joined by ``share_comm_ctx`` where ``share``,
+    trained as a pipeline schedule does (both forwards, then the last stage's backward, then
+    the first's), and the list check on a module that is not sharded."""
+    from torch import nn
+
+    api = importlib.import_module(fsdp_module)
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)) for _ in range(2)]
+    for stage in stages:
+        api.fully_shard(stage[0])
+        api.fully_shard(stage)
+    api.share_comm_ctx([])
+    if share:
+        api.share_comm_ctx(stages)
+    optim = torch.optim.AdamW([p for s in stages for p in s.parameters()], lr=1e-2)
+    torch.manual_seed(1 + dist.get_rank())
+    losses = []
+    for _ in range(3):
+        hidden = stages[0](torch.randn(4, 8))
+        boundary = hidden.detach().requires_grad_()
+        loss = stages[1](boundary).pow(2).sum()
+        loss.backward()
+        hidden.backward(boundary.grad)
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    try:
+        api.share_comm_ctx([stages[0], nn.Linear(2, 2)])
+        error = "no error"
+    except ValueError as caught:
+        error = str(caught)
+    return {"losses": losses, "error": error.split(" but got")[0]}
+
+
+def test_share_comm_ctx_joins_pipeline_stages_as_on_fsdp2(ranks) -> None:
+    """Against FSDP2 with the stages apart: with them joined, FSDP2 (torch 2.13) raises an
+    IndexError in the first stage's backward, where this schedule runs it after the last
+    stage's (their shared post-forward order was cleared at the end of that backward)."""
+    theirs = ranks.run(2, pipeline_stages_with, "torch.distributed.fsdp", False)[0]
+    ours = ranks.run(2, pipeline_stages_with, "fsdp", True)[0]
+    assert ours["error"] == theirs["error"] == "Expects list of FSDPModules"
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)

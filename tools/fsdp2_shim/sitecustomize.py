@@ -25,7 +25,8 @@ import importlib.machinery
 import os
 import sys
 
-SWAPPED_NAMES = ("fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method")
+SWAPPED_NAMES = ("fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+                 "share_comm_ctx")
 IMPL = os.environ.get("FSDP2_CONFORMANCE_IMPL", "torch")
 UNGATE = os.environ.get("FSDP2_CONFORMANCE_UNGATE") == "1"
 CPU_DEVICES = int(os.environ.get("FSDP2_CONFORMANCE_CPU_DEVICES", "8"))

@@ -12,9 +12,11 @@ hung raises a ``PeerFailureError`` naming that rank.
 """
 
 from fsdp.fp8 import BlockwiseFP8
-from fsdp.fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from fsdp.fully_shard import (FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method,
+                              share_comm_ctx)
 from fsdp.memory_first import optimizer_in_backward
 from fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnitPolicy, row_unit
+from fsdp.spmd_mesh import DataParallelMeshDims
 from ragged_dtensor import PeerFailureError, record_failure, set_roll_call_timeout
 
 from fsdp import checkpoint
@@ -22,6 +24,7 @@ from fsdp import checkpoint
 __all__ = [
     "BlockwiseFP8",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
@@ -34,5 +37,6 @@ __all__ = [
     "register_fsdp_forward_method",
     "row_unit",
     "set_roll_call_timeout",
+    "share_comm_ctx",
 ]
-__version__ = "0.8.3"
+__version__ = "0.9.0"

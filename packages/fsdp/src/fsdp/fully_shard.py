@@ -17,10 +17,11 @@ import torch.nn as nn
 from dbuffer import AllGatherComm, ReduceScatterComm
 from ragged_dtensor import raise_on_any_rank
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy,
+                                    OffloadPolicy)
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-from fsdp import post_forward
+from fsdp import post_forward, spmd_mesh
 from fsdp.fp8 import BlockwiseFP8, GroupQuantizer, quantized_units, refuse_unsupported
 from fsdp.param_group import BACKWARD_PREFETCH_STARTS
 from fsdp.policies import UnitPolicy
@@ -28,7 +29,8 @@ from fsdp.sharding import build_group, collect_params, managed_modules, resolve_
 from fsdp.state import FSDPState, get_state
 from fsdp.tensor_parallel import plan_layouts
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method",
+           "share_comm_ctx"]
 
 _FSDP_CLASSES: dict[type, type] = {}
 
@@ -50,6 +52,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
     unit_policy: UnitPolicy | None = None,
     quantize_all_gather: BlockwiseFP8 | None = None,
     backward_split: bool = True,
@@ -87,6 +90,10 @@ def fully_shard(
         offload_policy: torch's ``OffloadPolicy``; ``CPUOffloadPolicy`` is accepted where
             the mesh is on CPU (the identity there).
         ignored_params: parameters left alone (not sharded, not reduced).
+        dp_mesh_dims: torch's ``DataParallelMeshDims``: ``mesh`` is then the full SPMD mesh,
+            every parameter a DTensor on it, ``Replicate()`` on the dims this names: one
+            ``shard`` dim and at most one ``replicate`` dim, leading the mesh (see
+            :mod:`fsdp.spmd_mesh`).
         unit_policy: ``unit_policy(name, param) -> int``, the elements no rank boundary may
             cut (default: one row). Block optimizers give theirs, e.g.
             ``block_optim.Muon.unit_policy()``.
@@ -109,16 +116,19 @@ def fully_shard(
         ValueError: for a parameter shared with another group, ``fully_shard`` applied
             top-down, a non-positive unit, a scalar or empty parameter, or a container
             without ``forward``, or an int ``reshard_after_forward`` that does not divide the
-            shard dimension (the same facts on every rank, so every rank raises).
+            shard dimension (the same facts on every rank, so every rank raises); with
+            ``dp_mesh_dims``, a name the mesh lacks or a parameter that is not a DTensor on
+            the mesh, ``Replicate()`` on its data-parallel dims (FSDP2's rules).
         AssertionError: for a ``shard_placement_fn`` dim the parameter lacks (FSDP2's).
         NotImplementedError: for tensor-parallel (DTensor) parameters whose placements fsdp
             cannot compose with (a ``Shard(d)`` leaving a TP rank empty, ``Partial``; see
             :mod:`fsdp.tensor_parallel`), a ``shard_placement_fn`` result other than
             ``Shard``, uneven ``Shard(d > 0)`` chunks (FSDP2's), ``Shard(d > 0)`` along a
             dim tensor parallelism already cuts or of an FP8-gathered parameter, or CPU
-            offload of a mesh that is not on CPU.
-        TypeError: for a ``module``, ``mesh``, ``mp_policy``, ``unit_policy`` or
-            ``backward_split`` of the wrong type, naming it.
+            offload of a mesh that is not on CPU, or a ``dp_mesh_dims`` fsdp does not take
+            (:mod:`fsdp.spmd_mesh`).
+        TypeError: for a ``module``, ``mesh``, ``mp_policy``, ``unit_policy``,
+            ``dp_mesh_dims`` or ``backward_split`` of the wrong type, naming it.
     """
     modules = tuple(module) if isinstance(module, list) else (module,)
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
@@ -146,6 +156,9 @@ def fully_shard(
     if not isinstance(backward_split, bool):
         raise TypeError(f"fully_shard: backward_split must be a bool, got "
                         f"{type(backward_split).__name__}")
+    spmd = None
+    if dp_mesh_dims is not None:
+        mesh, spmd = spmd_mesh.resolve(mesh, dp_mesh_dims, reshard_after_forward)
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
@@ -169,7 +182,7 @@ def fully_shard(
                                    set(ignored_params or ()))
         # TP layouts first: their checks read global facts (an uneven TP cut that leaves a
         # TP rank nothing raises everywhere, not only where a unit policy would divide by 0)
-        layouts = plan_layouts([(c.name, c.param) for c in collected], mesh)
+        layouts = plan_layouts([(c.name, c.param) for c in collected], mesh, spmd)
         units, dims = resolve_units(collected, unit_policy, shard_placement_fn,
                                     mesh.size(mesh.ndim - 1), layouts)
         units, quantized = quantized_units(quantize_all_gather, collected, units)
@@ -683,3 +696,24 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state.post_forward(original(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """torch 2.13's ``share_comm_ctx``: in FSDP2 the roots in ``modules`` (pipeline stages
+    on one rank) share their all-gather and reduce-scatter streams and the reduce-scatter
+    inputs they keep, so that memory does not fragment between per-root streams.
+
+    fsdp has nothing per root to share: it issues its collectives on the current stream,
+    and every root finishes its reductions and prefetches by the end of its own backward.
+    So this checks ``modules`` as FSDP2 does and changes nothing, and code written for FSDP2
+    runs unchanged.
+
+    Args:
+        modules: modules ``fully_shard`` was applied to (an empty list is accepted).
+
+    Raises:
+        ValueError: for an entry that is not an ``FSDPModule`` (FSDP2's words).
+    """
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")

@@ -144,9 +144,14 @@ class ManagedParam:
         """What the module sees for an unsharded (parameter or gradient) view."""
         return view
 
+    def _as_grad_tensor(self, view: torch.Tensor) -> torch.Tensor:
+        """What ``.grad`` is for an unsharded gradient view: :meth:`_as_param_tensor` of it,
+        unless the gradient is placed unlike the parameter (an SPMD mesh's ``Partial``)."""
+        return self._as_param_tensor(view)
+
     def _buffer_grad(self) -> torch.Tensor:
         """The ``.grad`` that accumulates in place into the gradient buffer."""
-        return self._as_param_tensor(self.buffer.grad_view(self.name))
+        return self._as_grad_tensor(self.buffer.grad_view(self.name))
 
     def _is_buffer_grad(self, grad: torch.Tensor) -> bool:
         return self.buffer.grad_is_view(self.name, self._local(grad))

@@ -40,11 +40,12 @@ import torch.nn as nn
 from dbuffer import DBuffer
 from ragged_dtensor.composed import ragged_shape, smallest_tp_numel
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from fsdp.managed_param import ManagedParam
+from fsdp.spmd_mesh import SPMDMesh
 
 
 @dataclass(frozen=True)
@@ -52,27 +53,40 @@ class TPLayout:
     """Where a tensor-parallel parameter lives besides fsdp's data-parallel mesh.
 
     Attributes:
-        tp_mesh: the parameter's own (TP) mesh.
-        tp_placements: its placements on ``tp_mesh``.
+        param_mesh: the mesh of the parameter as its module sees it: its own (TP) mesh, or
+            the full SPMD mesh of ``fully_shard(..., dp_mesh_dims=...)``.
+        param_placements: its placements on ``param_mesh``.
+        dp_dims: how many leading dims of ``param_mesh`` are fsdp's (0 on a TP mesh; the
+            replicate and shard dims of an SPMD mesh, where the parameter is ``Replicate``).
         shape: the global shape.
         stride: the global stride.
         local_shape: the TP-local shape (what fsdp plans and stores).
         mesh: the combined mesh: the dp mesh's dims, then the TP mesh's.
     """
 
-    tp_mesh: DeviceMesh
-    tp_placements: tuple[Placement, ...]
+    param_mesh: DeviceMesh
+    param_placements: tuple[Placement, ...]
+    dp_dims: int
     shape: torch.Size
     stride: tuple[int, ...]
     local_shape: tuple[int, ...]
     mesh: DeviceMesh
 
-    def tp_dtensor(self, local: torch.Tensor) -> DTensor:
-        """``local`` (a TP-local tensor, e.g. a view of an unsharded buffer) as the TP DTensor
-        it is a piece of, holding ``local`` itself (no alias)."""
+    @property
+    def tp_placements(self) -> tuple[Placement, ...]:
+        """The placements on the dims that are not fsdp's."""
+        return self.param_placements[self.dp_dims:]
+
+    def tp_dtensor(self, local: torch.Tensor,
+                   dp_placements: Sequence[Placement] | None = None) -> DTensor:
+        """``local`` (a TP-local tensor, e.g. a view of an unsharded buffer) as the DTensor
+        the module's parameter is (on ``param_mesh``), holding ``local`` itself (no alias);
+        ``dp_placements`` replace the parameter's on the data-parallel dims (a gradient's)."""
         meta = TensorMeta(self.shape, self.stride, local.dtype)
-        return DTensor(local, DTensorSpec(self.tp_mesh, self.tp_placements, tensor_meta=meta),
-                       requires_grad=False)
+        placements = (self.param_placements if dp_placements is None
+                      else (*dp_placements, *self.tp_placements))
+        spec = DTensorSpec(self.param_mesh, placements, tensor_meta=meta)
+        return DTensor(local, spec, requires_grad=False)
 
     def sharded_dtensor(self, local: torch.Tensor, dp_placements: Sequence[Placement]) -> DTensor:
         """``local`` (this rank's ragged run of the TP-local tensor) as a DTensor on the
@@ -83,12 +97,15 @@ class TPLayout:
 
     def tp_local(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient autograd produced for the unsharded parameter, as a TP-local tensor in
-        the parameter's TP placements (a pending ``Partial`` is reduced over TP)."""
+        the parameter's TP placements (a pending ``Partial`` is reduced over TP). On an SPMD
+        mesh the fsdp dims keep what the gradient has there (``Partial`` or ``Replicate``):
+        fsdp's reduce-scatter over them is the reduction, as in FSDP2, not an all-reduce."""
         if not isinstance(grad, DTensor):
             raise TypeError(f"fsdp: expected a DTensor gradient for a tensor-parallel parameter "
                             f"of shape {tuple(self.shape)}, got {type(grad).__name__}")
-        if grad.placements != self.tp_placements:
-            grad = grad.redistribute(self.tp_mesh, self.tp_placements)
+        target = (*grad.placements[:self.dp_dims], *self.tp_placements)
+        if grad.placements != target:
+            grad = grad.redistribute(self.param_mesh, target)
         return grad.to_local()
 
 
@@ -132,29 +149,66 @@ def plan_layout(name: str, param: DTensor, dp_mesh: DeviceMesh) -> TPLayout:
     if set(dp_names) & set(tp_names):
         raise ValueError(f"fully_shard: parameter {name!r}'s mesh dims {tp_names} overlap "
                          f"fsdp's mesh dims {dp_names}")
+    return TPLayout(tp_mesh, tuple(param.placements), 0, param.shape, tuple(param.stride()),
+                    _tp_local_shape(name, param), root[(*dp_names, *tp_names)])
+
+
+def plan_spmd_layout(name: str, param: torch.Tensor, spmd: SPMDMesh) -> TPLayout:
+    """:func:`plan_layout` for a parameter of ``fully_shard(..., dp_mesh_dims=...)``: a
+    DTensor on the full SPMD mesh, ``Replicate()`` on fsdp's dims (FSDP2's rules and words).
+    The combined mesh is the SPMD mesh itself.
+
+    Raises:
+        ValueError: for a plain tensor, a DTensor on another mesh, or one that is not
+            ``Replicate()`` on a data-parallel dim.
+        NotImplementedError: as :func:`plan_layout`, for the other dims' placements.
+    """
+    mesh = spmd.mesh
+    if not isinstance(param, DTensor):
+        raise ValueError("When dp_mesh_dims is provided, all parameters must be DTensors on "
+                         "the full SPMD mesh (e.g. via distribute_module). Got plain tensor for "
+                         f"parameter {name!r}.")
+    if param.device_mesh != mesh:
+        raise ValueError(f"Expected parameter {name!r}'s DTensor mesh to be the mesh passed to "
+                         f"fully_shard ({mesh}), but got {param.device_mesh}")
+    names = mesh.mesh_dim_names or ()
+    for dim, placement in enumerate(param.placements[:spmd.dp_dims]):
+        if not isinstance(placement, Replicate):
+            raise ValueError(f"Expected Replicate() on DP dim {names[dim]!r} (index {dim}) of "
+                             f"parameter {name!r} but got {placement}")
+    return TPLayout(mesh, tuple(param.placements), spmd.dp_dims, param.shape,
+                    tuple(param.stride()), _tp_local_shape(name, param), mesh)
+
+
+def _tp_local_shape(name: str, param: DTensor) -> tuple[int, ...]:
+    """The TP-local shape of ``param``, after the checks that fsdp can cut it (global facts:
+    raised on every rank alike)."""
     for p in param.placements:
         if type(p) not in (Shard, Replicate):
             raise NotImplementedError(
                 f"fully_shard: parameter {name!r} has placements {param.placements}; fsdp "
                 "composes with Shard(d) and Replicate() tensor-parallel placements only")
-    if smallest_tp_numel(tp_mesh, param.placements, tuple(param.shape)) == 0:
+    mesh = param.device_mesh
+    if smallest_tp_numel(mesh, param.placements, tuple(param.shape)) == 0:
         raise NotImplementedError(
             f"fully_shard: parameter {name!r} of shape {tuple(param.shape)} placed "
-            f"{param.placements} on {tp_mesh.size()} tensor-parallel ranks leaves some TP rank "
+            f"{param.placements} on {mesh.size()} tensor-parallel ranks leaves some TP rank "
             "no elements; fsdp needs every TP-local tensor non-empty (use fewer TP ranks for "
             "it, or keep it Replicate)")
-    local_shape = ragged_shape(tp_mesh, param.placements, tuple(param.shape))
+    local_shape = ragged_shape(mesh, param.placements, tuple(param.shape))
     if tuple(param._local_tensor.shape) != local_shape:
         raise ValueError(f"fully_shard: parameter {name!r} has a local tensor of shape "
                          f"{tuple(param._local_tensor.shape)}, but {param.placements} of shape "
                          f"{tuple(param.shape)} give {local_shape}")
-    return TPLayout(tp_mesh, tuple(param.placements), param.shape, tuple(param.stride()),
-                    local_shape, root[(*dp_names, *tp_names)])
+    return local_shape
 
 
-def plan_layouts(named_params: Sequence[tuple[str, nn.Parameter]],
-                 dp_mesh: DeviceMesh) -> dict[str, TPLayout]:
-    """:func:`plan_layout` for every DTensor among ``named_params``, by name."""
+def plan_layouts(named_params: Sequence[tuple[str, nn.Parameter]], dp_mesh: DeviceMesh,
+                 spmd: SPMDMesh | None = None) -> dict[str, TPLayout]:
+    """:func:`plan_layout` for every DTensor among ``named_params``, by name; with ``spmd``
+    (``fully_shard(..., dp_mesh_dims=...)``), :func:`plan_spmd_layout` for every parameter."""
+    if spmd is not None:
+        return {name: plan_spmd_layout(name, param, spmd) for name, param in named_params}
     return {name: plan_layout(name, param, dp_mesh)
             for name, param in named_params if isinstance(param, DTensor)}
 
@@ -177,6 +231,9 @@ class TPManagedParam(ManagedParam):
     sharded gradient one in the combined spec, over the same DBuffer views."""
 
     layout: TPLayout | None = None
+    # On an SPMD mesh: the data-parallel placements of this parameter's gradients (Partial
+    # where each dp rank computed on its own data, the usual case, until one says otherwise).
+    grad_dp_placements: tuple[Placement, ...] | None = None
 
     @property
     def _layout(self) -> TPLayout:
@@ -185,6 +242,43 @@ class TPManagedParam(ManagedParam):
 
     def _as_param_tensor(self, view: torch.Tensor) -> torch.Tensor:
         return self._layout.tp_dtensor(view)
+
+    def _as_grad_tensor(self, view: torch.Tensor) -> torch.Tensor:
+        return self._layout.tp_dtensor(view, self._grad_dp_placements())
+
+    def _grad_dp_placements(self) -> tuple[Placement, ...]:
+        """The data-parallel placements ``.grad`` is aimed with: those of the gradients
+        autograd gives, so that it adds each one in place (an aimed ``Replicate`` would
+        make DTensor all-reduce a ``Partial`` gradient over dp before adding it)."""
+        if self.grad_dp_placements is None:
+            return (Partial(),) * self._layout.dp_dims
+        return self.grad_dp_placements
+
+    def unsharded_param(self) -> nn.Parameter:
+        """As :meth:`ManagedParam.unsharded_param`; on an SPMD mesh, each gradient's
+        data-parallel placements are checked against the aimed ``.grad``'s first
+        (:meth:`_check_grad_placements`)."""
+        created = self.unsharded is None
+        param = super().unsharded_param()
+        if created and self._layout.dp_dims and self.trainable:
+            param.register_hook(self._check_grad_placements)
+        return param
+
+    def _check_grad_placements(self, grad: torch.Tensor) -> None:
+        """Before autograd adds ``grad`` to ``.grad``: learn its data-parallel placements, and
+        raise (on every rank: placements are global facts) where an aimed ``.grad`` holds
+        others, since the add would then redistribute instead of adding in place."""
+        if not isinstance(grad, DTensor):
+            return
+        placements = tuple(grad.placements[:self._layout.dp_dims])
+        aimed = self.unsharded.grad if self.unsharded is not None else None
+        if isinstance(aimed, DTensor) and tuple(aimed.placements[:len(placements)]) != placements:
+            raise NotImplementedError(
+                f"parameter {self.name!r}: its gradient is placed {placements} on the "
+                f"data-parallel dims, where its earlier gradients were "
+                f"{tuple(aimed.placements[:len(placements)])}; fsdp accumulates gradients of "
+                "one placement per parameter on an SPMD mesh")
+        self.grad_dp_placements = placements
 
     def _local(self, grad: torch.Tensor) -> torch.Tensor:
         return self._layout.tp_local(grad)
@@ -207,6 +301,7 @@ class TPManagedParam(ManagedParam):
 
     def sharded_grad(self) -> DTensor:
         """The reduced gradient: the sharded gradient buffer's view on the combined mesh."""
-        dp_placements = self.sharded.placements[:-len(self._layout.tp_placements)]
+        placements = self.sharded.placements
+        dp_placements = placements[:len(placements) - len(self._layout.tp_placements)]
         return self._layout.sharded_dtensor(self.buffer.sharded_grad_view(self.name),
                                             dp_placements)

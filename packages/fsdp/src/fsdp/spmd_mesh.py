@@ -1,0 +1,91 @@
+"""``fully_shard(module, mesh=world, dp_mesh_dims=DataParallelMeshDims(...))``: torch 2.13's
+full SPMD mesh.
+
+There the model is already laid out on the whole world mesh (``distribute_module``, or
+DTensors made on it): every parameter is a DTensor on ``world``, ``Replicate()`` on the
+data-parallel dims, and ``dp_mesh_dims`` names which dims those are. fsdp reads that as
+its tensor-parallel composition (:mod:`fsdp.tensor_parallel`) with the other dims as the
+TP dims: it shards each parameter's TP-local tensor in whole units over the ``shard`` dim
+(HSDP: replicated over the ``replicate`` dim), runs its collectives over those dims only,
+and gives the module its unsharded parameter as the DTensor on ``world`` it was. The
+sharded parameter is a DTensor on ``world`` itself, placements ``(RaggedShard, *rest)``
+(HSDP: ``(Replicate(), RaggedShard, *rest)``). A gradient keeps what it has on the
+data-parallel dims (``Partial`` or ``Replicate``): the reduce-scatter is its reduction,
+with no all-reduce before it, as in FSDP2.
+
+What fsdp does not take (``NotImplementedError``, on every rank): several dims flattened
+into one shard or replicate dim, data-parallel dims that are not the mesh's leading dims in
+the order (replicate, shard), a replicate-only (DDP) ``dp_mesh_dims``, and an int
+``reshard_after_forward`` (FSDP2 refuses that one too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import DataParallelMeshDims
+
+__all__ = ["DataParallelMeshDims", "SPMDMesh", "resolve"]
+
+
+@dataclass(frozen=True)
+class SPMDMesh:
+    """A full SPMD mesh and how many of its leading dims are fsdp's.
+
+    Attributes:
+        mesh: the mesh ``fully_shard`` was given (every parameter is a DTensor on it).
+        dp_dims: its leading data-parallel dims: 1 (shard) or 2 (replicate, shard).
+    """
+
+    mesh: DeviceMesh
+    dp_dims: int
+
+
+def resolve(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims,
+            reshard_after_forward: bool | int | None) -> tuple[DeviceMesh, SPMDMesh]:
+    """fsdp's data-parallel mesh (1-D, or 2-D ``(replicate, shard)``) inside ``mesh``.
+
+    Args:
+        mesh: the full SPMD mesh.
+        dp_mesh_dims: which of its dims are data-parallel.
+        reshard_after_forward: ``fully_shard``'s argument (an int is refused here).
+
+    Returns:
+        The data-parallel mesh and the :class:`SPMDMesh` the parameters are planned on.
+
+    Raises:
+        TypeError: for a ``dp_mesh_dims`` that is not a ``DataParallelMeshDims``.
+        ValueError: for a mesh without dim names, or a name it lacks (FSDP2's words).
+        NotImplementedError: for what the module docstring lists.
+    """
+    if not isinstance(dp_mesh_dims, DataParallelMeshDims):
+        raise TypeError(f"fully_shard: dp_mesh_dims must be a DataParallelMeshDims, got "
+                        f"{type(dp_mesh_dims).__name__}")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    shard, replicate = dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names
+    for name in (*shard, *replicate):
+        if name not in names:
+            raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
+    if not shard:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims} replicates without sharding (DDP); "
+            "fsdp shards: name a shard dim")
+    if len(shard) > 1 or len(replicate) > 1:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims} flattens several mesh dims into one; "
+            "fsdp takes one shard dim and at most one replicate dim (build the mesh with "
+            "them as single dims)")
+    dp_names = (*replicate, *shard)
+    if names[:len(dp_names)] != dp_names:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims} names dims {dp_names} that are not the "
+            f"leading dims of the mesh {names} in the order (replicate, shard); fsdp needs "
+            "them first, as in init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError("reshard_after_forward as int is not yet supported with SPMD "
+                                  "mesh (dp_mesh_dims)")
+    dp_mesh = mesh[dp_names[0]] if len(dp_names) == 1 else mesh[dp_names]
+    return dp_mesh, SPMDMesh(mesh, len(dp_names))

@@ -1,0 +1,227 @@
+"""``fully_shard(..., dp_mesh_dims=...)`` (torch 2.13's full SPMD mesh) on 4 gloo ranks.
+
+The model is laid out on the whole mesh by hand (every parameter a DTensor on it,
+``Replicate()`` on the data-parallel dims), each dp rank's batch a ``Shard(0)`` DTensor, and
+trained for 3 AdamW steps of 2 micro-batches each, by fsdp and by FSDP2 in the same test,
+against one process on the global batch. Sizes are odd: the ColwiseParallel ``[14, 6]``
+weight's TP-local ``[7, 6]`` and the RowwiseParallel ``[6, 14]`` one's ``[6, 7]`` each lie
+whole on one of the two dp ranks, which holds none of the other (zero-unit ranks).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+TIMEOUT_S = 240.0
+STEPS, MICRO, LR = 3, 2, 1e-2
+
+
+def _model():
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w_in = nn.Parameter(torch.randn(14, 6) / 3)  # ColwiseParallel
+            self.w_out = nn.Parameter(torch.randn(6, 14) / 4)  # RowwiseParallel
+            self.scale = nn.Parameter(1 + torch.randn(6) / 10)  # replicated over tp
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(F.silu(F.linear(x, self.w_in)), self.w_out) * self.scale
+
+    torch.manual_seed(0)
+    return nn.Sequential(MLP(), MLP())
+
+
+def _distribute(model, mesh, dp_dims: int) -> None:
+    """Each parameter a DTensor on ``mesh``: Replicate on the dp dims, the TP layout after."""
+    from torch import nn
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    tp = {"w_in": [Shard(0)], "w_out": [Shard(1)], "scale": [Replicate()]}
+    for block in model:
+        for name, p in list(block.named_parameters()):
+            placements = [Replicate()] * dp_dims + tp[name][:mesh.ndim - dp_dims]
+            setattr(block, name, nn.Parameter(distribute_tensor(p.detach(), mesh, placements)))
+
+
+def _batches():
+    import torch
+
+    torch.manual_seed(1)
+    return torch.randn(STEPS, MICRO, 8, 6)
+
+
+def _train_case(impl: str, names: tuple[str, ...], dims: dict) -> dict:
+    import importlib
+
+    import torch
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from tests.harness import device_mesh
+
+    fully_shard = importlib.import_module(impl).fully_shard
+    mesh = device_mesh(2, 2, names=names)
+    dp_mesh_dims = DataParallelMeshDims(**dims)
+    dp_dims = len(dp_mesh_dims.shard_names) + len(dp_mesh_dims.replicate_names)
+    model = _model()
+    reference = _model()
+    _distribute(model, mesh, dp_dims)
+    for block in model:
+        fully_shard(block, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+    fully_shard(model, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+    seen: list = []
+    model[0].register_forward_pre_hook(lambda m, _: seen.append((m.w_in.placements,
+                                                                  type(m.w_in).__name__)))
+    optim = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=LR)
+    # the dp ranks (replicate and shard coordinates, flattened) each take a slice of the batch
+    dp_rank, dp_size = 0, 1
+    for d in range(dp_dims):
+        dp_rank, dp_size = dp_rank * mesh.size(d) + mesh.get_local_rank(d), dp_size * mesh.size(d)
+    data_placements = [Shard(0)] * dp_dims + [Replicate()] * (mesh.ndim - dp_dims)
+    losses, ref_losses = [], []
+    for step in _batches():
+        total = 0.0
+        for micro in step:
+            x = DTensor.from_local(micro.chunk(dp_size)[dp_rank], mesh, data_placements)
+            loss = model(x).pow(2).sum()
+            loss.backward()
+            total += loss.full_tensor().item()
+            ref_loss = reference(micro).pow(2).sum()
+            # fsdp and FSDP2 average the dp ranks' gradients
+            (ref_loss / dp_size).backward()
+        losses.append(total)
+        ref_losses.append(sum(reference(m).pow(2).sum().item() for m in step))
+        optim.step()
+        optim.zero_grad()
+        ref_optim.step()
+        ref_optim.zero_grad()
+    ref_params = dict(reference.named_parameters())
+    return {
+        "losses": losses,
+        "param_error": max((p.full_tensor() - ref_params[n]).abs().max().item()
+                           for n, p in model.named_parameters()),
+        "placements": {n: (str(p.placements), p.device_mesh == mesh)
+                       for n, p in model.named_parameters()},
+        "forward_param": (str(seen[0][0]), seen[0][1]),
+        "local_numel": {n: p.to_local().numel() for n, p in model.named_parameters()},
+    }
+
+
+# Mesh dim names no other test of a worker uses: with an equal mesh built earlier in the
+# same worker (docs/fsdp-tp.md's recipe), FSDP2 refuses the parameters' mesh as not the mesh
+# it was given ("... got different mesh objects"), seen here, cause not traced.
+@pytest.mark.parametrize("names,dims", [
+    (("batch", "model"), {"shard": "batch"}),
+    (("batch_replicate", "batch_shard"), {"shard": "batch_shard", "replicate": "batch_replicate"}),
+], ids=["fsdp-tp", "hsdp"])
+def test_spmd_mesh_trains_like_fsdp2(ranks, names, dims) -> None:
+    ours = ranks.run(4, _train_case, "fsdp", names, dims, timeout=TIMEOUT_S)
+    theirs = ranks.run(4, _train_case, "torch.distributed.fsdp", names, dims, timeout=TIMEOUT_S)
+    fsdp2_error = max(r["param_error"] for r in theirs)
+    for r, t in zip(ours, theirs):
+        assert r["param_error"] <= max(2 * fsdp2_error, 1e-6), (r["param_error"], fsdp2_error)
+        for got, want in zip(r["losses"], t["losses"]):
+            assert got == pytest.approx(want, rel=1e-5)
+        # the module saw its parameter as the DTensor on the full mesh it was
+        assert r["forward_param"] == t["forward_param"]
+        for name, (placements, on_mesh) in r["placements"].items():
+            assert on_mesh and "RaggedShard" in placements, (name, placements)
+    if "model" in names:
+        # the planner lays each block's TP-local w_in and w_out whole on one dp rank each:
+        # every rank holds no unit of one of them
+        assert all(0 in r["local_numel"].values() for r in ours), [r["local_numel"] for r in ours]
+
+
+def _bad_input_case(impl: str, case: str) -> str:
+    import importlib
+
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.harness import device_mesh
+
+    fully_shard = importlib.import_module(impl).fully_shard
+    mesh = device_mesh(2, 2, names=("dp", "tp"))
+    model = _model()
+    kwargs: dict = {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(shard="dp")}
+    if case == "plain tensor":
+        pass
+    elif case == "sharded on dp":
+        _distribute(model, mesh, 1)
+        w = model[0].w_in
+        model[0].w_in = nn.Parameter(distribute_tensor(w.full_tensor().detach(), mesh,
+                                                         [Shard(0), Shard(0)]))
+    else:
+        _distribute(model, mesh, 1)
+        kwargs["dp_mesh_dims"] = {
+            "unknown name": DataParallelMeshDims(shard="cp"),
+            "not leading": DataParallelMeshDims(shard="tp"),
+            "flattened": DataParallelMeshDims(shard=("dp", "tp")),
+            "replicate only": DataParallelMeshDims(replicate="dp"),
+            "int reshard": DataParallelMeshDims(shard="dp"),
+            "not the type": {"shard": "dp"},
+        }[case]
+        if case == "int reshard":
+            kwargs["reshard_after_forward"] = 2
+    try:
+        fully_shard(model[0], **kwargs)
+    except (ValueError, NotImplementedError, TypeError) as caught:
+        torch.distributed.barrier()  # every rank got here: none is left waiting
+        return f"{type(caught).__name__}: {caught}"
+    return "no error"
+
+
+@pytest.mark.parametrize("case,error,words", [
+    ("plain tensor", "ValueError", "Got plain tensor for parameter 'w_in'"),
+    ("sharded on dp", "ValueError", "Expected Replicate() on DP dim 'dp' (index 0) of parameter "
+                                    "'w_in'"),
+    ("unknown name", "ValueError", "Mesh dim name 'cp' not found"),
+    ("not leading", "NotImplementedError", "not the leading dims"),
+    ("flattened", "NotImplementedError", "flattens several mesh dims"),
+    ("replicate only", "NotImplementedError", "replicates without sharding"),
+    ("int reshard", "NotImplementedError", "reshard_after_forward as int"),
+    ("not the type", "TypeError", "dp_mesh_dims must be a DataParallelMeshDims"),
+])
+def test_spmd_mesh_bad_input_raises_on_every_rank(ranks, case, error, words) -> None:
+    messages = ranks.run(4, _bad_input_case, "fsdp", case, timeout=TIMEOUT_S)
+    assert all(m.startswith(error) and words in m for m in messages), messages
+    if case in ("plain tensor", "sharded on dp", "unknown name", "int reshard"):
+        # the refusals FSDP2 shares raise its exception type there too
+        theirs = ranks.run(4, _bad_input_case, "torch.distributed.fsdp", case, timeout=TIMEOUT_S)
+        assert all(m.startswith(error) for m in theirs), theirs
+
+
+def _changed_placement_case() -> str:
+    import torch
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    import fsdp
+    from tests.harness import device_mesh
+
+    mesh = device_mesh(2, 2, names=("dp", "tp"))
+    model = _model()
+    _distribute(model, mesh, 1)
+    fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    x = torch.randn(4, 6)
+    model(DTensor.from_local(x, mesh, [Shard(0), Replicate()])).pow(2).sum().backward()
+    # the same data on every dp rank: gradients Replicate (not Partial) over dp
+    try:
+        model(DTensor.from_local(x, mesh, [Replicate(), Replicate()])).pow(2).sum().backward()
+    except NotImplementedError as caught:
+        return str(caught)
+    return "no error"
+
+
+def test_a_gradient_placed_unlike_the_earlier_ones_raises_on_every_rank(ranks) -> None:
+    """The aimed ``.grad`` carries the placements of the earlier gradients (``Partial`` over
+    dp); one placed otherwise would be redistributed by the in-place add, so fsdp raises."""
+    messages = ranks.run(4, _changed_placement_case, timeout=TIMEOUT_S)
+    assert all("placed (Replicate(),) on the data-parallel dims" in m for m in messages), messages
