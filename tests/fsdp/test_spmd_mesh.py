@@ -54,7 +54,7 @@ def _batches():
     return torch.randn(STEPS, MICRO, 8, 6)
 
 
-def _train_case(impl: str, names: tuple[str, ...], dims: dict) -> dict:
+def _train_case(impl: str, names: tuple[str, ...], dims: dict, sharded_data: bool) -> dict:
     import importlib
 
     import torch
@@ -80,9 +80,13 @@ def _train_case(impl: str, names: tuple[str, ...], dims: dict) -> dict:
     ref_optim = torch.optim.AdamW(reference.parameters(), lr=LR)
     # the dp ranks (replicate and shard coordinates, flattened) each take a slice of the batch
     dp_rank, dp_size = 0, 1
-    for d in range(dp_dims):
-        dp_rank, dp_size = dp_rank * mesh.size(d) + mesh.get_local_rank(d), dp_size * mesh.size(d)
-    data_placements = [Shard(0)] * dp_dims + [Replicate()] * (mesh.ndim - dp_dims)
+    if sharded_data:
+        for d in range(dp_dims):
+            dp_rank = dp_rank * mesh.size(d) + mesh.get_local_rank(d)
+            dp_size *= mesh.size(d)
+    # sharded data gives Partial gradients over dp; the same data on every dp rank Replicate
+    data_placements = ([Shard(0) if sharded_data else Replicate()] * dp_dims
+                       + [Replicate()] * (mesh.ndim - dp_dims))
     losses, ref_losses = [], []
     for step in _batches():
         total = 0.0
@@ -119,9 +123,11 @@ def _train_case(impl: str, names: tuple[str, ...], dims: dict) -> dict:
     (("batch", "model"), {"shard": "batch"}),
     (("batch_replicate", "batch_shard"), {"shard": "batch_shard", "replicate": "batch_replicate"}),
 ], ids=["fsdp-tp", "hsdp"])
-def test_spmd_mesh_trains_like_fsdp2(ranks, names, dims) -> None:
-    ours = ranks.run(4, _train_case, "fsdp", names, dims, timeout=TIMEOUT_S)
-    theirs = ranks.run(4, _train_case, "torch.distributed.fsdp", names, dims, timeout=TIMEOUT_S)
+@pytest.mark.parametrize("sharded_data", [True, False], ids=["sharded-data", "replicated-data"])
+def test_spmd_mesh_trains_like_fsdp2(ranks, names, dims, sharded_data) -> None:
+    args = (names, dims, sharded_data)
+    ours = ranks.run(4, _train_case, "fsdp", *args, timeout=TIMEOUT_S)
+    theirs = ranks.run(4, _train_case, "torch.distributed.fsdp", *args, timeout=TIMEOUT_S)
     fsdp2_error = max(r["param_error"] for r in theirs)
     for r, t in zip(ours, theirs):
         assert r["param_error"] <= max(2 * fsdp2_error, 1e-6), (r["param_error"], fsdp2_error)
@@ -198,9 +204,9 @@ def test_spmd_mesh_bad_input_raises_on_every_rank(ranks, case, error, words) -> 
         assert all(m.startswith(error) for m in theirs), theirs
 
 
-def _changed_placement_case() -> str:
+def _changed_placement_case(mixed_precision: bool) -> list:
     import torch
-    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     import fsdp
@@ -209,19 +215,42 @@ def _changed_placement_case() -> str:
     mesh = device_mesh(2, 2, names=("dp", "tp"))
     model = _model()
     _distribute(model, mesh, 1)
-    fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if mixed_precision else MixedPrecisionPolicy())
+    for block in model:  # one trainable buffer of one parameter each: no other one to raise
+        fsdp.fully_shard(block, mesh=mesh, mp_policy=policy, backward_split=False,
+                         dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    fsdp.fully_shard(model, mesh=mesh, mp_policy=policy,
+                     dp_mesh_dims=DataParallelMeshDims(shard="dp"))
     x = torch.randn(4, 6)
-    model(DTensor.from_local(x, mesh, [Shard(0), Replicate()])).pow(2).sum().backward()
-    # the same data on every dp rank: gradients Replicate (not Partial) over dp
+    sharded = DTensor.from_local(x, mesh, [Shard(0), Replicate()])
+    replicated = DTensor.from_local(x, mesh, [Replicate(), Replicate()])  # Replicate grads
+    outcomes = []
+    # a step of Partial gradients, then one of Replicate ones: each reduced on its own
+    for data in (sharded, replicated):
+        model(data).pow(2).sum().backward()
+        outcomes.append("ok")
+    # Partial then Replicate into one accumulation (no reduction between them)
+    model.set_requires_gradient_sync(False)
+    model(sharded).pow(2).sum().backward()
+    model.set_requires_gradient_sync(True)
     try:
-        model(DTensor.from_local(x, mesh, [Replicate(), Replicate()])).pow(2).sum().backward()
+        model(replicated).pow(2).sum().backward()
+        outcomes.append("no error")
     except NotImplementedError as caught:
-        return str(caught)
-    return "no error"
+        outcomes.append(str(caught))
+    return outcomes
 
 
-def test_a_gradient_placed_unlike_the_earlier_ones_raises_on_every_rank(ranks) -> None:
-    """The aimed ``.grad`` carries the placements of the earlier gradients (``Partial`` over
-    dp); one placed otherwise would be redistributed by the in-place add, so fsdp raises."""
-    messages = ranks.run(4, _changed_placement_case, timeout=TIMEOUT_S)
-    assert all("placed (Replicate(),) on the data-parallel dims" in m for m in messages), messages
+@pytest.mark.parametrize("mixed_precision", [False, True], ids=["fp32", "bf16-stash"])
+def test_a_gradient_placed_unlike_the_earlier_ones_raises_on_every_rank(
+        ranks, mixed_precision) -> None:
+    """The aimed ``.grad`` carries the placements of the parameter's gradients (``Partial``
+    over dp, or what the first one since the last reduction says); adding a gradient placed
+    otherwise into an accumulation would redistribute it, so fsdp raises. With mixed
+    precision the no-sync gradients wait in a stash (no ``.grad``), which must raise too."""
+    outcomes = ranks.run(4, _changed_placement_case, mixed_precision, timeout=TIMEOUT_S)
+    for steps in outcomes:
+        assert steps[:2] == ["ok", "ok"], steps
+        assert "placed (Replicate(),) on the data-parallel dims" in steps[2], steps
+        assert "(Partial(sum),)" in steps[2], steps

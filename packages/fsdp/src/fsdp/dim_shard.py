@@ -254,11 +254,8 @@ class TPDimShardManagedParam(_DimFirst, TPManagedParam):
 
     shard: DimShard | None = None
 
-    def _as_param_tensor(self, view: torch.Tensor) -> torch.Tensor:
-        return self._layout.tp_dtensor(self._shard.logical(view))
-
-    def _as_grad_tensor(self, view: torch.Tensor) -> torch.Tensor:
-        return self._layout.tp_dtensor(self._shard.logical(view), self._grad_dp_placements())
+    def _logical(self, view: torch.Tensor) -> torch.Tensor:
+        return self._shard.logical(view)
 
     def _local(self, grad: torch.Tensor) -> torch.Tensor:
         return self._shard.stored(self._layout.tp_local(grad))

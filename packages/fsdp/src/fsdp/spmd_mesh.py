@@ -11,7 +11,8 @@ and gives the module its unsharded parameter as the DTensor on ``world`` it was.
 sharded parameter is a DTensor on ``world`` itself, placements ``(RaggedShard, *rest)``
 (HSDP: ``(Replicate(), RaggedShard, *rest)``). A gradient keeps what it has on the
 data-parallel dims (``Partial`` or ``Replicate``): the reduce-scatter is its reduction,
-with no all-reduce before it, as in FSDP2.
+with no all-reduce before it, as in FSDP2. One accumulation (the gradients of a parameter
+between two reductions) holds one of the two: mixing them raises ``NotImplementedError``.
 
 What fsdp does not take (``NotImplementedError``, on every rank): several dims flattened
 into one shard or replicate dim, data-parallel dims that are not the mesh's leading dims in

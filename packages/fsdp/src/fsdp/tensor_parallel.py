@@ -155,7 +155,8 @@ def plan_layout(name: str, param: DTensor, dp_mesh: DeviceMesh) -> TPLayout:
 
 def plan_spmd_layout(name: str, param: torch.Tensor, spmd: SPMDMesh) -> TPLayout:
     """:func:`plan_layout` for a parameter of ``fully_shard(..., dp_mesh_dims=...)``: a
-    DTensor on the full SPMD mesh, ``Replicate()`` on fsdp's dims (FSDP2's rules and words).
+    DTensor on the full SPMD mesh, ``Replicate()`` on fsdp's dims (FSDP2's rules; its
+    identity check of the mesh is an equality check here).
     The combined mesh is the SPMD mesh itself.
 
     Raises:
@@ -192,7 +193,7 @@ def _tp_local_shape(name: str, param: DTensor) -> tuple[int, ...]:
     if smallest_tp_numel(mesh, param.placements, tuple(param.shape)) == 0:
         raise NotImplementedError(
             f"fully_shard: parameter {name!r} of shape {tuple(param.shape)} placed "
-            f"{param.placements} on {mesh.size()} tensor-parallel ranks leaves some TP rank "
+            f"{param.placements} on mesh {mesh} leaves some TP rank "
             "no elements; fsdp needs every TP-local tensor non-empty (use fewer TP ranks for "
             "it, or keep it Replicate)")
     local_shape = ragged_shape(mesh, param.placements, tuple(param.shape))
@@ -231,33 +232,36 @@ class TPManagedParam(ManagedParam):
     sharded gradient one in the combined spec, over the same DBuffer views."""
 
     layout: TPLayout | None = None
-    # On an SPMD mesh: the data-parallel placements of this parameter's gradients (Partial
-    # where each dp rank computed on its own data, the usual case, until one says otherwise).
-    grad_dp_placements: tuple[Placement, ...] | None = None
+    # On an SPMD mesh: the data-parallel placements of this parameter's latest gradient.
+    learned_grad_dp: tuple[Placement, ...] | None = None
 
     @property
     def _layout(self) -> TPLayout:
         assert self.layout is not None
         return self.layout
 
+    def _logical(self, view: torch.Tensor) -> torch.Tensor:
+        """The TP-local tensor over a buffer view (the view itself here)."""
+        return view
+
     def _as_param_tensor(self, view: torch.Tensor) -> torch.Tensor:
-        return self._layout.tp_dtensor(view)
+        return self._layout.tp_dtensor(self._logical(view))
 
     def _as_grad_tensor(self, view: torch.Tensor) -> torch.Tensor:
-        return self._layout.tp_dtensor(view, self._grad_dp_placements())
+        return self._layout.tp_dtensor(self._logical(view), self._grad_dp_placements())
 
     def _grad_dp_placements(self) -> tuple[Placement, ...]:
         """The data-parallel placements ``.grad`` is aimed with: those of the gradients
         autograd gives, so that it adds each one in place (an aimed ``Replicate`` would
-        make DTensor all-reduce a ``Partial`` gradient over dp before adding it)."""
-        if self.grad_dp_placements is None:
+        make DTensor all-reduce a ``Partial`` gradient over dp before adding it). Before the
+        first gradient: ``Partial``, where each dp rank computed on its own data."""
+        if self.learned_grad_dp is None:
             return (Partial(),) * self._layout.dp_dims
-        return self.grad_dp_placements
+        return self.learned_grad_dp
 
     def unsharded_param(self) -> nn.Parameter:
-        """As :meth:`ManagedParam.unsharded_param`; on an SPMD mesh, each gradient's
-        data-parallel placements are checked against the aimed ``.grad``'s first
-        (:meth:`_check_grad_placements`)."""
+        """As :meth:`ManagedParam.unsharded_param`; on an SPMD mesh each gradient's
+        data-parallel placements are checked first (:meth:`_check_grad_placements`)."""
         created = self.unsharded is None
         param = super().unsharded_param()
         if created and self._layout.dp_dims and self.trainable:
@@ -265,20 +269,25 @@ class TPManagedParam(ManagedParam):
         return param
 
     def _check_grad_placements(self, grad: torch.Tensor) -> None:
-        """Before autograd adds ``grad`` to ``.grad``: learn its data-parallel placements, and
-        raise (on every rank: placements are global facts) where an aimed ``.grad`` holds
-        others, since the add would then redistribute instead of adding in place."""
+        """Before autograd adds ``grad`` to ``.grad`` (on an SPMD mesh): learn its
+        data-parallel placements. The parameter's first gradient since its last reduction
+        re-aims a ``.grad`` aimed with others (its part of the buffer is still zero); a later
+        one placed unlike the earlier ones raises (on every rank: placements are global
+        facts), since the sum would mix a ``Partial`` with a ``Replicate``."""
         if not isinstance(grad, DTensor):
             return
         placements = tuple(grad.placements[:self._layout.dp_dims])
-        aimed = self.unsharded.grad if self.unsharded is not None else None
-        if isinstance(aimed, DTensor) and tuple(aimed.placements[:len(placements)]) != placements:
+        if self.got_grad and self.learned_grad_dp not in (None, placements):
             raise NotImplementedError(
                 f"parameter {self.name!r}: its gradient is placed {placements} on the "
-                f"data-parallel dims, where its earlier gradients were "
-                f"{tuple(aimed.placements[:len(placements)])}; fsdp accumulates gradients of "
-                "one placement per parameter on an SPMD mesh")
-        self.grad_dp_placements = placements
+                f"data-parallel dims, where its earlier gradients since the last reduction "
+                f"were {self.learned_grad_dp}; fsdp accumulates gradients of one placement per "
+                "parameter on an SPMD mesh")
+        self.learned_grad_dp = placements
+        assert self.unsharded is not None
+        aimed = self.unsharded.grad
+        if isinstance(aimed, DTensor) and tuple(aimed.placements[:len(placements)]) != placements:
+            self.unsharded.grad = self._buffer_grad()
 
     def _local(self, grad: torch.Tensor) -> torch.Tensor:
         return self._layout.tp_local(grad)
