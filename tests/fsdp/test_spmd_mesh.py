@@ -1,4 +1,5 @@
-"""``fully_shard(..., dp_mesh_dims=...)`` (torch 2.13's full SPMD mesh) on 4 gloo ranks.
+"""``fully_shard(..., dp_mesh_dims=...)`` (torch 2.13's full SPMD mesh) on 4 gloo ranks:
+FSDP + TP, HSDP, and several dims flattened into one shard dim (with and without TP).
 
 The model is laid out on the whole mesh by hand (every parameter a DTensor on it,
 ``Replicate()`` on the data-parallel dims), each dp rank's batch a ``Shard(0)`` DTensor, and
@@ -54,7 +55,8 @@ def _batches():
     return torch.randn(STEPS, MICRO, 8, 6)
 
 
-def _train_case(impl: str, names: tuple[str, ...], dims: dict, sharded_data: bool) -> dict:
+def _train_case(impl: str, shape: tuple[int, ...], names: tuple[str, ...], dims: dict,
+                sharded_data: bool) -> dict:
     import importlib
 
     import torch
@@ -64,7 +66,7 @@ def _train_case(impl: str, names: tuple[str, ...], dims: dict, sharded_data: boo
     from tests.harness import device_mesh
 
     fully_shard = importlib.import_module(impl).fully_shard
-    mesh = device_mesh(2, 2, names=names)
+    mesh = device_mesh(*shape, names=names)
     dp_mesh_dims = DataParallelMeshDims(**dims)
     dp_dims = len(dp_mesh_dims.shard_names) + len(dp_mesh_dims.replicate_names)
     model = _model()
@@ -109,7 +111,7 @@ def _train_case(impl: str, names: tuple[str, ...], dims: dict, sharded_data: boo
         "losses": losses,
         "param_error": max((p.full_tensor() - ref_params[n]).abs().max().item()
                            for n, p in model.named_parameters()),
-        "placements": {n: (str(p.placements), p.device_mesh == mesh)
+        "placements": {n: (str(p.placements), p.device_mesh.mesh_dim_names)
                        for n, p in model.named_parameters()},
         "forward_param": (str(seen[0][0]), seen[0][1]),
         "local_numel": {n: p.to_local().numel() for n, p in model.named_parameters()},
@@ -119,13 +121,18 @@ def _train_case(impl: str, names: tuple[str, ...], dims: dict, sharded_data: boo
 # Mesh dim names no other test of a worker uses: with an equal mesh built earlier in the
 # same worker (docs/fsdp-tp.md's recipe), FSDP2 refuses the parameters' mesh as not the mesh
 # it was given ("... got different mesh objects"), seen here, cause not traced.
-@pytest.mark.parametrize("names,dims", [
-    (("batch", "model"), {"shard": "batch"}),
-    (("batch_replicate", "batch_shard"), {"shard": "batch_shard", "replicate": "batch_replicate"}),
-], ids=["fsdp-tp", "hsdp"])
+@pytest.mark.parametrize("shape,names,dims", [
+    ((2, 2), ("batch", "model"), {"shard": "batch"}),
+    ((2, 2), ("batch_replicate", "batch_shard"),
+     {"shard": "batch_shard", "replicate": "batch_replicate"}),
+    # several dims flattened into one shard dim (torchtitan's dp_shard_cp), with and
+    # without a TP dim after them
+    ((2, 2), ("flat_shard", "flat_cp"), {"shard": ("flat_shard", "flat_cp")}),
+    ((2, 1, 2), ("flat3_shard", "flat3_cp", "flat3_model"), {"shard": ("flat3_shard", "flat3_cp")}),
+], ids=["fsdp-tp", "hsdp", "flattened", "flattened-tp"])
 @pytest.mark.parametrize("sharded_data", [True, False], ids=["sharded-data", "replicated-data"])
-def test_spmd_mesh_trains_like_fsdp2(ranks, names, dims, sharded_data) -> None:
-    args = (names, dims, sharded_data)
+def test_spmd_mesh_trains_like_fsdp2(ranks, shape, names, dims, sharded_data) -> None:
+    args = (shape, names, dims, sharded_data)
     ours = ranks.run(4, _train_case, "fsdp", *args, timeout=TIMEOUT_S)
     theirs = ranks.run(4, _train_case, "torch.distributed.fsdp", *args, timeout=TIMEOUT_S)
     fsdp2_error = max(r["param_error"] for r in theirs)
@@ -135,9 +142,11 @@ def test_spmd_mesh_trains_like_fsdp2(ranks, names, dims, sharded_data) -> None:
             assert got == pytest.approx(want, rel=1e-5)
         # the module saw its parameter as the DTensor on the full mesh it was
         assert r["forward_param"] == t["forward_param"]
-        for name, (placements, on_mesh) in r["placements"].items():
-            assert on_mesh and "RaggedShard" in placements, (name, placements)
-    if "model" in names:
+        # on FSDP2's mesh: the SPMD mesh itself, or the flattened dims followed by the others
+        for name, (placements, dim_names) in r["placements"].items():
+            assert "RaggedShard" in placements, (name, placements)
+            assert dim_names == t["placements"][name][1], (name, dim_names)
+    if names == ("batch", "model"):
         # the planner lays each block's TP-local w_in and w_out whole on one dp rank each:
         # every rank holds no unit of one of them
         assert all(0 in r["local_numel"].values() for r in ours), [r["local_numel"] for r in ours]
@@ -169,7 +178,6 @@ def _bad_input_case(impl: str, case: str) -> str:
         kwargs["dp_mesh_dims"] = {
             "unknown name": DataParallelMeshDims(shard="cp"),
             "not leading": DataParallelMeshDims(shard="tp"),
-            "flattened": DataParallelMeshDims(shard=("dp", "tp")),
             "replicate only": DataParallelMeshDims(replicate="dp"),
             "int reshard": DataParallelMeshDims(shard="dp"),
             "not the type": {"shard": "dp"},
@@ -190,7 +198,6 @@ def _bad_input_case(impl: str, case: str) -> str:
                                     "'w_in'"),
     ("unknown name", "ValueError", "Mesh dim name 'cp' not found"),
     ("not leading", "NotImplementedError", "not the leading dims"),
-    ("flattened", "NotImplementedError", "flattens several mesh dims"),
     ("replicate only", "NotImplementedError", "replicates without sharding"),
     ("int reshard", "NotImplementedError", "reshard_after_forward as int"),
     ("not the type", "TypeError", "dp_mesh_dims must be a DataParallelMeshDims"),
@@ -254,3 +261,35 @@ def test_a_gradient_placed_unlike_the_earlier_ones_raises_on_every_rank(
         assert steps[:2] == ["ok", "ok"], steps
         assert "placed (Replicate(),) on the data-parallel dims" in steps[2], steps
         assert "(Partial(sum),)" in steps[2], steps
+
+
+def _rank_local_error_case() -> str:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import DTensor
+
+    import fsdp
+    from tests.harness import device_mesh
+
+    mesh = device_mesh(2, 2, names=("dp", "tp"))
+    model = _model()
+    _distribute(model, mesh, 1)
+    if dist.get_rank() == 1:  # dp 0, tp 1 only: a local tensor of the wrong shape
+        w = model[0].w_in
+        model[0].w_in = nn.Parameter(DTensor.from_local(
+            torch.zeros(3, 6), mesh, w.placements, shape=w.shape, stride=w.stride(),
+            run_check=False))
+    try:
+        fsdp.fully_shard(model[0], mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    except ValueError as caught:
+        return str(caught)
+    return "no error"
+
+
+def test_a_rank_local_error_raises_on_every_rank_of_the_mesh(ranks) -> None:
+    """Rank 1's error reaches ranks 0 and 2, which share no data-parallel group with it:
+    they would otherwise go on to their first tensor-parallel collective alone."""
+    messages = ranks.run(4, _rank_local_error_case, timeout=TIMEOUT_S)
+    assert all("'w_in' has a local tensor of shape (3, 6)" in m for m in messages), messages

@@ -91,9 +91,8 @@ def fully_shard(
             the mesh is on CPU (the identity there).
         ignored_params: parameters left alone (not sharded, not reduced).
         dp_mesh_dims: torch's ``DataParallelMeshDims``: ``mesh`` is then the full SPMD mesh,
-            every parameter a DTensor on it, ``Replicate()`` on the dims this names: one
-            ``shard`` dim and at most one ``replicate`` dim, leading the mesh (see
-            :mod:`fsdp.spmd_mesh`).
+            every parameter a DTensor on it, ``Replicate()`` on the dims this names, which
+            must lead the mesh, ``replicate`` before ``shard`` (see :mod:`fsdp.spmd_mesh`).
         unit_policy: ``unit_policy(name, param) -> int``, the elements no rank boundary may
             cut (default: one row). Block optimizers give theirs, e.g.
             ``block_optim.Muon.unit_policy()``.
@@ -190,7 +189,12 @@ def fully_shard(
     except (ValueError, NotImplementedError, TypeError, AssertionError) as caught:
         error = caught
     # One collective per mesh dim: an error found on any rank, or parameters (names, shapes,
-    # dtypes, units) that differ across ranks, raise on every rank before any rank plans.
+    # dtypes, units) that differ across ranks, raise on every rank before any rank plans. On
+    # an SPMD mesh an error first travels along the other dims (the ranks that hold other
+    # pieces of the same parameters), so that none of them goes on alone.
+    if spmd is not None:
+        for dim in range(spmd.dp_dims, spmd.mesh.ndim):
+            error = spmd_mesh.spread_error(error, spmd.mesh.get_group(dim))
     for dim in range(mesh.ndim):
         raise_on_any_rank(error, mesh.get_group(dim), agree_on=signature(collected, units, dims))
     group = None

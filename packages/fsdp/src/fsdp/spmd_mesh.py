@@ -14,20 +14,25 @@ data-parallel dims (``Partial`` or ``Replicate``): the reduce-scatter is its red
 with no all-reduce before it, as in FSDP2. One accumulation (the gradients of a parameter
 between two reductions) holds one of the two: mixing them raises ``NotImplementedError``.
 
-What fsdp does not take (``NotImplementedError``, on every rank): several dims flattened
-into one shard or replicate dim, data-parallel dims that are not the mesh's leading dims in
-the order (replicate, shard), a replicate-only (DDP) ``dp_mesh_dims``, and an int
-``reshard_after_forward`` (FSDP2 refuses that one too).
+Several names for one role (``shard=("dp_shard", "cp")``, torchtitan's ``dp_shard_cp``)
+are flattened into one dim, as FSDP2 flattens them: fsdp shards over the flattened dim, and
+the sharded parameter lives on a mesh of the flattened dims followed by the others.
+
+What fsdp does not take (``NotImplementedError``, on every rank): data-parallel dims that
+are not the mesh's leading dims in the order (replicate, shard), a replicate-only (DDP)
+``dp_mesh_dims``, and an int ``reshard_after_forward`` (FSDP2 refuses that one too).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
+from ragged_dtensor import raise_on_any_rank
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import DataParallelMeshDims
 
-__all__ = ["DataParallelMeshDims", "SPMDMesh", "resolve"]
+__all__ = ["DataParallelMeshDims", "SPMDMesh", "resolve", "spread_error"]
 
 
 @dataclass(frozen=True)
@@ -36,11 +41,14 @@ class SPMDMesh:
 
     Attributes:
         mesh: the mesh ``fully_shard`` was given (every parameter is a DTensor on it).
-        dp_dims: its leading data-parallel dims: 1 (shard) or 2 (replicate, shard).
+        dp_dims: how many of its leading dims are data-parallel (replicate, then shard).
+        sharded_mesh: the sharded parameters' mesh: ``mesh`` itself, or where several dims
+            were flattened into one, the data-parallel mesh's dims followed by the others.
     """
 
     mesh: DeviceMesh
     dp_dims: int
+    sharded_mesh: DeviceMesh
 
 
 def resolve(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims,
@@ -74,11 +82,6 @@ def resolve(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims,
         raise NotImplementedError(
             f"fully_shard: dp_mesh_dims={dp_mesh_dims} replicates without sharding (DDP); "
             "fsdp shards: name a shard dim")
-    if len(shard) > 1 or len(replicate) > 1:
-        raise NotImplementedError(
-            f"fully_shard: dp_mesh_dims={dp_mesh_dims} flattens several mesh dims into one; "
-            "fsdp takes one shard dim and at most one replicate dim (build the mesh with "
-            "them as single dims)")
     dp_names = (*replicate, *shard)
     if names[:len(dp_names)] != dp_names:
         raise NotImplementedError(
@@ -88,5 +91,32 @@ def resolve(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims,
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError("reshard_after_forward as int is not yet supported with SPMD "
                                   "mesh (dp_mesh_dims)")
-    dp_mesh = mesh[dp_names[0]] if len(dp_names) == 1 else mesh[dp_names]
-    return dp_mesh, SPMDMesh(mesh, len(dp_names))
+    if len(shard) == 1 and len(replicate) <= 1:
+        dp_mesh = mesh[dp_names[0]] if len(dp_names) == 1 else mesh[dp_names]
+        return dp_mesh, SPMDMesh(mesh, len(dp_names), mesh)
+    parts = [_one_dim(mesh, role) for role in (replicate, shard) if role]
+    dp_mesh = parts[0] if len(parts) == 1 else DeviceMesh._concatenate(parts)
+    rest = names[len(dp_names):]
+    if rest:
+        parts.append(mesh[rest[0]] if len(rest) == 1 else mesh[rest])
+    sharded_mesh = parts[0] if len(parts) == 1 else DeviceMesh._concatenate(parts)
+    return dp_mesh, SPMDMesh(mesh, len(dp_names), sharded_mesh)
+
+
+def _one_dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The 1-D mesh of ``names``: the dim itself, or the dims flattened into one (named by
+    joining theirs with ``_``, as FSDP2 names it)."""
+    return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+
+def spread_error(error: BaseException | None,
+                 group: dist.ProcessGroup) -> BaseException | None:
+    """This rank's error, else the error of any rank of ``group`` (every rank of it calls):
+    a rank-local error reaches the ranks that share no data-parallel group with the rank
+    that found it, before :func:`ragged_dtensor.raise_on_any_rank` raises it over the
+    data-parallel dims (an error raised there first would leave them waiting)."""
+    try:
+        raise_on_any_rank(error, group)
+    except Exception as caught:  # the consensus error has the failing rank's type
+        return error if error is not None else caught
+    return None

@@ -156,8 +156,8 @@ def plan_layout(name: str, param: DTensor, dp_mesh: DeviceMesh) -> TPLayout:
 def plan_spmd_layout(name: str, param: torch.Tensor, spmd: SPMDMesh) -> TPLayout:
     """:func:`plan_layout` for a parameter of ``fully_shard(..., dp_mesh_dims=...)``: a
     DTensor on the full SPMD mesh, ``Replicate()`` on fsdp's dims (FSDP2's rules; its
-    identity check of the mesh is an equality check here).
-    The combined mesh is the SPMD mesh itself.
+    identity check of the mesh is an equality check here). The combined mesh is
+    ``spmd.sharded_mesh``.
 
     Raises:
         ValueError: for a plain tensor, a DTensor on another mesh, or one that is not
@@ -178,7 +178,7 @@ def plan_spmd_layout(name: str, param: torch.Tensor, spmd: SPMDMesh) -> TPLayout
             raise ValueError(f"Expected Replicate() on DP dim {names[dim]!r} (index {dim}) of "
                              f"parameter {name!r} but got {placement}")
     return TPLayout(mesh, tuple(param.placements), spmd.dp_dims, param.shape,
-                    tuple(param.stride()), _tp_local_shape(name, param), mesh)
+                    tuple(param.stride()), _tp_local_shape(name, param), spmd.sharded_mesh)
 
 
 def _tp_local_shape(name: str, param: DTensor) -> tuple[int, ...]:
