@@ -151,6 +151,22 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(ranks):
     assert "'weight'" in out["empty_param"] and "no elements" in out["empty_param"]
 
 
+def _hsdp_rank_local_error() -> str:
+    import fsdp
+
+    mesh = device_mesh(2, 2, names=("replicate", "shard"))
+    width = 5 if dist.get_rank() == 1 else 4  # one rank of one replica group differs
+    return _error_of(lambda: fsdp.fully_shard(nn.Linear(width, 4), mesh=mesh))
+
+
+def test_a_rank_local_error_on_an_hsdp_mesh_raises_on_every_rank(ranks):
+    """Rank 1's parameters differ from its replica's: every rank raises, not only the
+    replica group that found it (whose raise on the replicate dim left the other group
+    waiting on the shard dim)."""
+    results = ranks.run(4, _hsdp_rank_local_error, timeout=120)
+    assert all(r.startswith("ValueError") for r in results), results
+
+
 def _init_weights(model: nn.Module) -> None:
     torch.manual_seed(7)
     for module in model.modules():

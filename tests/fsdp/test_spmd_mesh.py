@@ -132,24 +132,37 @@ def _train_case(impl: str, shape: tuple[int, ...], names: tuple[str, ...], dims:
 ], ids=["fsdp-tp", "hsdp", "flattened", "flattened-tp"])
 @pytest.mark.parametrize("sharded_data", [True, False], ids=["sharded-data", "replicated-data"])
 def test_spmd_mesh_trains_like_fsdp2(ranks, shape, names, dims, sharded_data) -> None:
-    args = (shape, names, dims, sharded_data)
-    ours = ranks.run(4, _train_case, "fsdp", *args, timeout=TIMEOUT_S)
-    theirs = ranks.run(4, _train_case, "torch.distributed.fsdp", *args, timeout=TIMEOUT_S)
+    ours = _train_like_fsdp2(ranks, 4, (shape, names, dims, sharded_data))
+    if names == ("batch", "model"):
+        # the planner lays each block's TP-local w_in and w_out whole on one dp rank each:
+        # every rank holds no unit of one of them
+        assert all(0 in r["local_numel"].values() for r in ours), [r["local_numel"] for r in ours]
+
+
+def test_flattened_shard_dims_then_tp_on_8_ranks_train_like_fsdp2(ranks) -> None:
+    """Both flattened dims and the TP dim of size 2: the flattened dim's rank order and the
+    TP cut meet (the 4-rank cases have one of them of size 1)."""
+    _train_like_fsdp2(
+        ranks, 8, ((2, 2, 2), ("f8_shard", "f8_cp", "f8_model"), {"shard": ("f8_shard", "f8_cp")},
+                   True))
+
+
+def _train_like_fsdp2(ranks, world_size: int, args: tuple) -> list[dict]:
+    """:func:`_train_case` with fsdp and with FSDP2: fsdp as close to one process as FSDP2,
+    the same losses, and the parameters on FSDP2's meshes. Returns fsdp's results."""
+    ours = ranks.run(world_size, _train_case, "fsdp", *args, timeout=TIMEOUT_S)
+    theirs = ranks.run(world_size, _train_case, "torch.distributed.fsdp", *args, timeout=TIMEOUT_S)
     fsdp2_error = max(r["param_error"] for r in theirs)
     for r, t in zip(ours, theirs):
         assert r["param_error"] <= max(2 * fsdp2_error, 1e-6), (r["param_error"], fsdp2_error)
-        for got, want in zip(r["losses"], t["losses"]):
-            assert got == pytest.approx(want, rel=1e-5)
+        assert r["losses"] == pytest.approx(t["losses"], rel=1e-5)
         # the module saw its parameter as the DTensor on the full mesh it was
         assert r["forward_param"] == t["forward_param"]
         # on FSDP2's mesh: the SPMD mesh itself, or the flattened dims followed by the others
         for name, (placements, dim_names) in r["placements"].items():
             assert "RaggedShard" in placements, (name, placements)
             assert dim_names == t["placements"][name][1], (name, dim_names)
-    if names == ("batch", "model"):
-        # the planner lays each block's TP-local w_in and w_out whole on one dp rank each:
-        # every rank holds no unit of one of them
-        assert all(0 in r["local_numel"].values() for r in ours), [r["local_numel"] for r in ours]
+    return ours
 
 
 def _bad_input_case(impl: str, case: str) -> str:
@@ -173,6 +186,9 @@ def _bad_input_case(impl: str, case: str) -> str:
         w = model[0].w_in
         model[0].w_in = nn.Parameter(distribute_tensor(w.full_tensor().detach(), mesh,
                                                          [Shard(0), Shard(0)]))
+    elif case == "flattened replicate":  # refused from the names alone
+        kwargs["mesh"] = device_mesh(2, 2, 1, names=("fr_a", "fr_b", "fr_s"))
+        kwargs["dp_mesh_dims"] = DataParallelMeshDims(shard="fr_s", replicate=("fr_a", "fr_b"))
     else:
         _distribute(model, mesh, 1)
         kwargs["dp_mesh_dims"] = {
@@ -199,6 +215,7 @@ def _bad_input_case(impl: str, case: str) -> str:
     ("unknown name", "ValueError", "Mesh dim name 'cp' not found"),
     ("not leading", "NotImplementedError", "not the leading dims"),
     ("replicate only", "NotImplementedError", "replicates without sharding"),
+    ("flattened replicate", "NotImplementedError", "several replicate dims beside one shard dim"),
     ("int reshard", "NotImplementedError", "reshard_after_forward as int"),
     ("not the type", "TypeError", "dp_mesh_dims must be a DataParallelMeshDims"),
 ])
@@ -263,7 +280,7 @@ def test_a_gradient_placed_unlike_the_earlier_ones_raises_on_every_rank(
         assert "(Partial(sum),)" in steps[2], steps
 
 
-def _rank_local_error_case() -> str:
+def _rank_local_error_case(names: tuple[str, ...], dims: dict) -> str:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -273,23 +290,29 @@ def _rank_local_error_case() -> str:
     import fsdp
     from tests.harness import device_mesh
 
-    mesh = device_mesh(2, 2, names=("dp", "tp"))
+    mesh = device_mesh(2, 2, names=names)
+    dp_mesh_dims = DataParallelMeshDims(**dims)
     model = _model()
-    _distribute(model, mesh, 1)
-    if dist.get_rank() == 1:  # dp 0, tp 1 only: a local tensor of the wrong shape
+    _distribute(model, mesh, len(dp_mesh_dims.shard_names) + len(dp_mesh_dims.replicate_names))
+    if dist.get_rank() == 1:  # one rank only: a local tensor of the wrong shape
         w = model[0].w_in
         model[0].w_in = nn.Parameter(DTensor.from_local(
             torch.zeros(3, 6), mesh, w.placements, shape=w.shape, stride=w.stride(),
             run_check=False))
     try:
-        fsdp.fully_shard(model[0], mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+        fsdp.fully_shard(model[0], mesh=mesh, dp_mesh_dims=dp_mesh_dims)
     except ValueError as caught:
         return str(caught)
     return "no error"
 
 
-def test_a_rank_local_error_raises_on_every_rank_of_the_mesh(ranks) -> None:
-    """Rank 1's error reaches ranks 0 and 2, which share no data-parallel group with it:
-    they would otherwise go on to their first tensor-parallel collective alone."""
-    messages = ranks.run(4, _rank_local_error_case, timeout=TIMEOUT_S)
+@pytest.mark.parametrize("names,dims", [
+    (("dp", "tp"), {"shard": "dp"}),
+    (("hsdp_replicate", "hsdp_shard"), {"shard": "hsdp_shard", "replicate": "hsdp_replicate"}),
+], ids=["fsdp-tp", "hsdp"])
+def test_a_rank_local_error_raises_on_every_rank_of_the_mesh(ranks, names, dims) -> None:
+    """Rank 1's error reaches ranks 0 and 2, which share no data-parallel group with it
+    (FSDP + TP: they would go on to their first TP collective alone) or no replicate group
+    (HSDP: they would wait on the shard dim for ranks that had raised)."""
+    messages = ranks.run(4, _rank_local_error_case, names, dims, timeout=TIMEOUT_S)
     assert all("'w_in' has a local tensor of shape (3, 6)" in m for m in messages), messages

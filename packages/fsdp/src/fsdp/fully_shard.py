@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from dbuffer import AllGatherComm, ReduceScatterComm
-from ragged_dtensor import raise_on_any_rank
+from ragged_dtensor import PeerFailureError, raise_on_any_rank
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy,
                                     OffloadPolicy)
@@ -189,14 +189,19 @@ def fully_shard(
     except (ValueError, NotImplementedError, TypeError, AssertionError) as caught:
         error = caught
     # One collective per mesh dim: an error found on any rank, or parameters (names, shapes,
-    # dtypes, units) that differ across ranks, raise on every rank before any rank plans. On
-    # an SPMD mesh an error first travels along the other dims (the ranks that hold other
-    # pieces of the same parameters), so that none of them goes on alone.
+    # dtypes, units) that differ across ranks, raise on every rank before any rank plans.
+    # The error travels along every dim before any rank raises it (one raised on the first
+    # dim of an HSDP mesh would leave the other replica groups waiting on the second), on an
+    # SPMD mesh also along the other dims (the ranks that hold other pieces of the same
+    # parameters).
+    agree_on = signature(collected, units, dims)
+    groups = [(mesh.get_group(dim), agree_on) for dim in range(mesh.ndim)]
     if spmd is not None:
-        for dim in range(spmd.dp_dims, spmd.mesh.ndim):
-            error = spmd_mesh.spread_error(error, spmd.mesh.get_group(dim))
-    for dim in range(mesh.ndim):
-        raise_on_any_rank(error, mesh.get_group(dim), agree_on=signature(collected, units, dims))
+        groups = [(spmd.mesh.get_group(dim), None)
+                  for dim in range(spmd.dp_dims, spmd.mesh.ndim)] + groups
+    for process_group, agreed in groups[:-1]:
+        error = _spread_error(error, process_group, agreed)
+    raise_on_any_rank(error, groups[-1][0], agree_on=groups[-1][1])
     group = None
     if collected:
         group = build_group(collected, units, mesh, device, mp_policy, labels, layouts, dims,
@@ -225,6 +230,21 @@ def fully_shard(
 
 
 fully_shard.state = get_state  # type: ignore[attr-defined]  # FSDP2's accessor of a module's state
+
+
+def _spread_error(error: BaseException | None, group: dist.ProcessGroup,
+                  agree_on: str | None) -> BaseException | None:
+    """:func:`ragged_dtensor.raise_on_any_rank` over ``group`` (every rank of it calls),
+    returning instead of raising: this rank's error, else the one the consensus found, so
+    it travels on to the next dim. A collective that fails itself (``PeerFailureError``)
+    raises at once."""
+    try:
+        raise_on_any_rank(error, group, agree_on=agree_on)
+    except PeerFailureError:
+        raise
+    except Exception as caught:  # the consensus error has the failing rank's type
+        return error if error is not None else caught
+    return None
 
 
 def _in_stream(hook: Callable[[torch.Tensor], None], stream: Any) -> Callable[[torch.Tensor], None]:

@@ -14,25 +14,26 @@ data-parallel dims (``Partial`` or ``Replicate``): the reduce-scatter is its red
 with no all-reduce before it, as in FSDP2. One accumulation (the gradients of a parameter
 between two reductions) holds one of the two: mixing them raises ``NotImplementedError``.
 
-Several names for one role (``shard=("dp_shard", "cp")``, torchtitan's ``dp_shard_cp``)
-are flattened into one dim, as FSDP2 flattens them: fsdp shards over the flattened dim, and
-the sharded parameter lives on a mesh of the flattened dims followed by the others.
+Several shard names (``shard=("dp_shard", "cp")``, torchtitan's ``dp_shard_cp``) are
+flattened into one dim, and several replicate names beside them too, as FSDP2 flattens
+them: fsdp shards over the flattened dim, and the sharded parameter lives on FSDP2's mesh,
+the flattened dims followed by the others (HSDP: ``(Replicate(), RaggedShard, *rest)``).
 
 What fsdp does not take (``NotImplementedError``, on every rank): data-parallel dims that
-are not the mesh's leading dims in the order (replicate, shard), a replicate-only (DDP)
-``dp_mesh_dims``, and an int ``reshard_after_forward`` (FSDP2 refuses that one too).
+are not the mesh's leading dims in the order (replicate, shard), several replicate names
+beside one shard name (FSDP2 keeps those dims apart on the SPMD mesh, fsdp's HSDP has one
+replicate dim), a replicate-only (DDP) ``dp_mesh_dims``, and an int
+``reshard_after_forward`` (FSDP2 refuses that one too).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
-from ragged_dtensor import raise_on_any_rank
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import DataParallelMeshDims
 
-__all__ = ["DataParallelMeshDims", "SPMDMesh", "resolve", "spread_error"]
+__all__ = ["DataParallelMeshDims", "SPMDMesh", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,11 @@ def resolve(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims,
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError("reshard_after_forward as int is not yet supported with SPMD "
                                   "mesh (dp_mesh_dims)")
+    if len(shard) == 1 and len(replicate) > 1:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims} names several replicate dims beside one "
+            "shard dim; fsdp replicates over one dim there (name one replicate dim, or "
+            "several shard dims, which are flattened)")
     if len(shard) == 1 and len(replicate) <= 1:
         dp_mesh = mesh[dp_names[0]] if len(dp_names) == 1 else mesh[dp_names]
         return dp_mesh, SPMDMesh(mesh, len(dp_names), mesh)
@@ -108,15 +114,3 @@ def _one_dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     joining theirs with ``_``, as FSDP2 names it)."""
     return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
 
-
-def spread_error(error: BaseException | None,
-                 group: dist.ProcessGroup) -> BaseException | None:
-    """This rank's error, else the error of any rank of ``group`` (every rank of it calls):
-    a rank-local error reaches the ranks that share no data-parallel group with the rank
-    that found it, before :func:`ragged_dtensor.raise_on_any_rank` raises it over the
-    data-parallel dims (an error raised there first would leave them waiting)."""
-    try:
-        raise_on_any_rank(error, group)
-    except Exception as caught:  # the consensus error has the failing rank's type
-        return error if error is not None else caught
-    return None
