@@ -97,7 +97,7 @@ def resolve(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims,
             f"fully_shard: dp_mesh_dims={dp_mesh_dims} names several replicate dims beside one "
             "shard dim; fsdp replicates over one dim there (name one replicate dim, or "
             "several shard dims, which are flattened)")
-    if len(shard) == 1 and len(replicate) <= 1:
+    if len(shard) == 1:
         dp_mesh = mesh[dp_names[0]] if len(dp_names) == 1 else mesh[dp_names]
         return dp_mesh, SPMDMesh(mesh, len(dp_names), mesh)
     parts = [_one_dim(mesh, role) for role in (replicate, shard) if role]
@@ -113,4 +113,3 @@ def _one_dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     """The 1-D mesh of ``names``: the dim itself, or the dims flattened into one (named by
     joining theirs with ``_``, as FSDP2 names it)."""
     return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
-
