@@ -91,7 +91,7 @@ def _train_case(impl: str, shape: tuple[int, ...], names: tuple[str, ...], dims:
                        + [Replicate()] * (mesh.ndim - dp_dims))
     losses, ref_losses = [], []
     for step in _batches():
-        total = 0.0
+        total = ref_total = 0.0
         for micro in step:
             x = DTensor.from_local(micro.chunk(dp_size)[dp_rank], mesh, data_placements)
             loss = model(x).pow(2).sum()
@@ -100,8 +100,9 @@ def _train_case(impl: str, shape: tuple[int, ...], names: tuple[str, ...], dims:
             ref_loss = reference(micro).pow(2).sum()
             # fsdp and FSDP2 average the dp ranks' gradients
             (ref_loss / dp_size).backward()
+            ref_total += ref_loss.item()
         losses.append(total)
-        ref_losses.append(sum(reference(m).pow(2).sum().item() for m in step))
+        ref_losses.append(ref_total)
         optim.step()
         optim.zero_grad()
         ref_optim.step()
@@ -109,6 +110,7 @@ def _train_case(impl: str, shape: tuple[int, ...], names: tuple[str, ...], dims:
     ref_params = dict(reference.named_parameters())
     return {
         "losses": losses,
+        "ref_losses": ref_losses,
         "param_error": max((p.full_tensor() - ref_params[n]).abs().max().item()
                            for n, p in model.named_parameters()),
         "placements": {n: (str(p.placements), p.device_mesh.mesh_dim_names)
@@ -156,6 +158,7 @@ def _train_like_fsdp2(ranks, world_size: int, args: tuple) -> list[dict]:
     for r, t in zip(ours, theirs):
         assert r["param_error"] <= max(2 * fsdp2_error, 1e-6), (r["param_error"], fsdp2_error)
         assert r["losses"] == pytest.approx(t["losses"], rel=1e-5)
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
         # the module saw its parameter as the DTensor on the full mesh it was
         assert r["forward_param"] == t["forward_param"]
         # on FSDP2's mesh: the SPMD mesh itself, or the flattened dims followed by the others
