@@ -98,18 +98,26 @@ def resolve(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims,
             "shard dim; fsdp replicates over one dim there (name one replicate dim, or "
             "several shard dims, which are flattened)")
     if len(shard) == 1:
-        dp_mesh = mesh[dp_names[0]] if len(dp_names) == 1 else mesh[dp_names]
-        return dp_mesh, SPMDMesh(mesh, len(dp_names), mesh)
+        return _submesh(mesh, dp_names), SPMDMesh(mesh, len(dp_names), mesh)
     parts = [_one_dim(mesh, role) for role in (replicate, shard) if role]
-    dp_mesh = parts[0] if len(parts) == 1 else DeviceMesh._concatenate(parts)
+    dp_mesh = _joined(parts)
     rest = names[len(dp_names):]
     if rest:
-        parts.append(mesh[rest[0]] if len(rest) == 1 else mesh[rest])
-    sharded_mesh = parts[0] if len(parts) == 1 else DeviceMesh._concatenate(parts)
-    return dp_mesh, SPMDMesh(mesh, len(dp_names), sharded_mesh)
+        parts.append(_submesh(mesh, rest))
+    return dp_mesh, SPMDMesh(mesh, len(dp_names), _joined(parts))
+
+
+def _submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The dims ``names`` of ``mesh``, as their own mesh."""
+    return mesh[names[0]] if len(names) == 1 else mesh[names]
 
 
 def _one_dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     """The 1-D mesh of ``names``: the dim itself, or the dims flattened into one (named by
     joining theirs with ``_``, as FSDP2 names it)."""
-    return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+    return _submesh(mesh, names) if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+
+def _joined(parts: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh of ``parts``' dims, in order."""
+    return parts[0] if len(parts) == 1 else DeviceMesh._concatenate(parts)
