@@ -12,6 +12,12 @@ Every row also records the losses of its steps: both systems train the same mode
 tokens, so the two losses of a step agree to rounding, and the summary line gives the largest
 relative difference per mode (a run whose fsdp trained wrongly shows there, not only in time).
 
+Each row also splits the median step into forward, backward and optimizer step, timed with CUDA
+events on the GPU's own timeline. ``--profile DIR`` adds two steps under ``torch.profiler``
+after the measured ones and writes each (system, mode)'s operators by GPU and by CPU self time
+to ``DIR/<system>_<mode>.txt``: where a ratio is off, that file says which kernels or host calls
+make the difference.
+
 ``--torch-2.11-shim``: run fsdp on torch 2.11 (the lent GPU image's) with
 :mod:`torch_211_shim`; the rows and the JSON record whether it was used.
 
@@ -44,10 +50,42 @@ RESULTS = _HERE / "results" / "gpu_memory.json"
 SYSTEMS = {"fsdp": "fsdp", "fsdp2": "torch.distributed.fsdp"}
 
 
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
+          vocab: int) -> tuple[torch.Tensor, list[torch.cuda.Event]]:
+    """One training step; returns the loss and CUDA events before forward, backward,
+    optimizer step and after it."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    events[0].record()
+    loss = _loss(model, tokens, vocab)
+    events[1].record()
+    loss.backward()
+    events[2].record()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    events[3].record()
+    return loss, events
+
+
+def _write_profile(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   tokens: torch.Tensor, vocab: int) -> None:
+    """Two more steps under torch.profiler: operators by GPU self time, then by CPU self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            _step(model, optimizer, tokens, vocab)
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(
+        table.table(sort_by=key, row_limit=30, max_name_column_width=60)
+        for key in ("self_device_time_total", "self_cpu_time_total")) + "\n")
+
+
 def measure(system: str, mode: str, cfg: ModelConfig, steps: int, warmup: int,
-            shim: bool = False) -> dict:
+            shim: bool = False, profile_dir: Path | None = None) -> dict:
     """One (system, mode) in this process: peaks over the measured steps, the median
-    step time and every step's loss."""
+    step time and its phases, and every step's loss."""
     import importlib
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -70,20 +108,18 @@ def measure(system: str, mode: str, cfg: ModelConfig, steps: int, warmup: int,
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(cfg.vocab, (cfg.batch_per_rank, cfg.seq + 1), generator=g).cuda()
-    times, losses = [], []
+    times, phases, losses = [], [], []
     for step in range(warmup + steps):
         if step == warmup:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        loss = _loss(model, tokens, cfg.vocab)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss, events = _step(model, optimizer, tokens, cfg.vocab)
         torch.cuda.synchronize()
         if step >= warmup:
             times.append(time.perf_counter() - start)
+            phases.append([a.elapsed_time(b) for a, b in zip(events, events[1:])])
         losses.append(loss.item())
     out = {"system": system, "mode": mode, "device": torch.cuda.get_device_name(0),
            "torch": torch.__version__, "torch_211_shim": shim and system == "fsdp",
@@ -92,6 +128,10 @@ def measure(system: str, mode: str, cfg: ModelConfig, steps: int, warmup: int,
            "max_reserved_mb": torch.cuda.max_memory_reserved() / 2**20,
            "between_steps_mb": torch.cuda.memory_allocated() / 2**20,
            "step_ms": 1000 * sorted(times)[len(times) // 2], "config": asdict(cfg)}
+    for i, name in enumerate(("forward_ms", "backward_ms", "optimizer_ms")):
+        out[name] = sorted(p[i] for p in phases)[len(phases) // 2]
+    if profile_dir is not None:
+        _write_profile(profile_dir / f"{system}_{mode}.txt", model, optimizer, tokens, cfg.vocab)
     dist.destroy_process_group()
     return out
 
@@ -110,13 +150,16 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--torch-2.11-shim", dest="shim", action="store_true",
                         help="let ragged_dtensor install on torch 2.11 (see the docstring)")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="write each run's operators by GPU and CPU self time under DIR")
     parser.add_argument("--one", nargs=2, metavar=("SYSTEM", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     cfg = ModelConfig(layers=args.layers, dim=args.dim, heads=args.heads, ffn=args.ffn,
                       vocab=args.vocab, seq=args.seq, batch_per_rank=args.batch)
     if args.one:
-        print(json.dumps(measure(*args.one, cfg, args.steps, args.warmup, args.shim)), flush=True)
+        print(json.dumps(measure(*args.one, cfg, args.steps, args.warmup, args.shim,
+                                 args.profile)), flush=True)
         return
     rows = []
     for mode in args.modes:
@@ -126,6 +169,7 @@ def main() -> None:
                    "--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch),
                    "--steps", str(args.steps), "--warmup", str(args.warmup)]
             cmd += ["--torch-2.11-shim"] if args.shim else []
+            cmd += ["--profile", str(args.profile)] if args.profile else []
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             line = [x for x in done.stdout.splitlines() if x.startswith("{")]
             if not line:
@@ -138,7 +182,8 @@ def main() -> None:
         by = {r["system"]: r for r in rows if r["mode"] == mode}
         if len(by) == 2:
             ratios[mode] = {k: by["fsdp"][k] / by["fsdp2"][k]
-                            for k in ("max_allocated_mb", "max_reserved_mb", "step_ms")}
+                            for k in ("max_allocated_mb", "max_reserved_mb", "step_ms",
+                                      "forward_ms", "backward_ms", "optimizer_ms")}
             ratios[mode]["loss_max_rel_diff"] = max(
                 abs(a - b) / abs(b) for a, b in zip(by["fsdp"]["losses"], by["fsdp2"]["losses"]))
     print(json.dumps({"ratios_fsdp_over_fsdp2": ratios}), flush=True)
