@@ -2,8 +2,9 @@
 
 * float64 buffers (master copy, compute or reduce dtype) gather and reduce exactly like the
   single-device reference, at world sizes 1-3 (3 has ranks owning no unit of some tensors);
-* float8 buffers (frozen only) gather their bytes exactly, also cast into a bf16 compute
-  dtype; a trainable float8 buffer raises ``TypeError`` on every rank;
+* float8, integer and bool buffers (frozen only) gather their bytes exactly, float8 also cast
+  into a bf16 compute dtype; a trainable one, or a cast of an integer or bool one, raises
+  ``TypeError`` on every rank;
 * the fused kernels compute float64 in float64 (torch path) and refuse the fp32-only Triton
   kernels for it when asked explicitly;
 * on a group of one rank (world size 1, or a size-1 dimension of a 2-D mesh) no collective is
@@ -25,6 +26,7 @@ from tests.dbuffer.test_buffer import _check_gather_and_reduce, _fill_grads
 from tests.harness import device_mesh
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+NON_FLOAT = (torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)
 
 
 def _float64_cases(cases: list[Case]) -> list[str]:
@@ -51,11 +53,17 @@ def test_float64_buffers_match_single_device(ranks, world_size: int) -> None:
             assert "all_gather_single" in names and "reduce_scatter_single" in names
 
 
-def _fp8_case(plan_: object, dtype: torch.dtype) -> dict[str, object]:
+def _byte_case(plan_: object, dtype: torch.dtype) -> dict[str, object]:
     rank = dist.get_rank()
-    full = {n: t.to(dtype) for n, t in full_tensors(plan_, 7).items()}  # dyadic: exact in fp8
+    # dyadic values: exact in fp8; scaled so that integers and bools differ across elements
+    full = {n: (t * 16).to(dtype) for n, t in full_tensors(plan_, 7).items()}
     out: dict[str, object] = {}
-    for compute in (None, torch.bfloat16):
+    try:
+        DBuffer.from_tensors(full, plan_, dtype=dtype, compute_dtype=torch.bfloat16,
+                             requires_grad=())
+    except TypeError as error:
+        out["cast"] = str(error)
+    for compute in (None, torch.bfloat16) if dtype.is_floating_point else (None,):
         buf = DBuffer.from_tensors(full, plan_, dtype=dtype, compute_dtype=compute,
                                    requires_grad=())
         for async_op in (False, True):
@@ -72,7 +80,7 @@ def _fp8_case(plan_: object, dtype: torch.dtype) -> dict[str, object]:
                                    local_piece(plan_, name, rank, t).view(torch.uint8))
             buf.free_unsharded()
     try:
-        DBuffer.from_tensors(full, plan_, dtype=dtype)  # trainable: no float8 gradients
+        DBuffer.from_tensors(full, plan_, dtype=dtype)  # trainable: no gradients of bytes
     except TypeError as error:
         out["trainable"] = str(error)
     # the group is still usable: every rank left the failed construction at the same point
@@ -83,12 +91,16 @@ def _fp8_case(plan_: object, dtype: torch.dtype) -> dict[str, object]:
     return out
 
 
-@pytest.mark.parametrize("dtype", FP8, ids=str)
-def test_frozen_float8_buffers_gather_bytes_exactly(ranks, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype", FP8 + NON_FLOAT, ids=str)
+def test_frozen_byte_buffers_gather_bytes_exactly(ranks, dtype: torch.dtype) -> None:
     p = random_plan(random.Random(8), 3)
-    for out in ranks.run(3, _fp8_case, p, dtype):
+    for out in ranks.run(3, _byte_case, p, dtype):
         assert "holds no gradients" in out["trainable"] and "dtype" in out["trainable"]
         assert out["after"] is True
+        if dtype.is_floating_point:
+            assert "cast" not in out
+        else:
+            assert f"is not supported for a cast from {dtype}" in out["cast"]
 
 
 def test_float64_kernels_compute_in_float64() -> None:

@@ -24,8 +24,13 @@ def _error_cases(plans: dict[str, object]) -> bool:
         DBuffer(different if rank == 0 else good)
     with pytest.raises(ValueError, match="differ across ranks.*DBuffer plan/dtype fingerprint"):
         DBuffer(good, compute_dtype=torch.bfloat16 if rank == 0 else None)
-    with pytest.raises(TypeError, match="dtype: dtype torch.int32 is not supported"):
+    with pytest.raises(TypeError, match="dtype: dtype torch.complex64 is not supported"):
+        DBuffer(good, dtype=torch.complex64)
+    with pytest.raises(TypeError, match="dtype: dtype torch.int32 holds no gradients"):
         DBuffer(good, dtype=torch.int32)
+    with pytest.raises(TypeError, match="compute_dtype: dtype torch.bfloat16 is not supported "
+                                        "for a cast from torch.int64"):
+        DBuffer(good, dtype=torch.int64, compute_dtype=torch.bfloat16, requires_grad=())
     # A local error on one rank only: every rank raises, naming that rank; the happy path is
     # one small all-reduce (error flag and fingerprint), a failure adds one gather of messages.
     with record_collectives() as failing, \

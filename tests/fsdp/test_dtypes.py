@@ -8,7 +8,10 @@
 * ``model.to(torch.float64)`` after ``fully_shard`` (PyTorch's ``test_to_float64_after_init``):
   every parameter is a float64 RaggedShard view of a new float64 DBuffer, and Adam training
   matches FSDP2 doing the same;
-* ``model.to(bf16 / fp16)`` after ``fully_shard`` keeps views too.
+* ``model.to(bf16 / fp16)`` after ``fully_shard`` keeps views too;
+* frozen int64 and bool parameters beside trainable fp32 ones, with and without bf16 mixed
+  precision (PyTorch's ``test_reduce_dtype_after_frozen_first_forward`` holds an int64
+  ``Parameter``): their values survive exactly and uncast, and training matches FSDP2.
 
 World sizes 2 and 3; at 3 the two-row parameters leave a rank with no unit.
 """
@@ -221,3 +224,60 @@ def test_to_half_after_init_keeps_views_and_trains(ranks, dtype: torch.dtype) ->
         for name, value in fsdp2["params"].items():
             torch.testing.assert_close(mine["params"][name], value, rtol=8 * eps, atol=8 * eps,
                                        msg=name)
+
+
+class FrozenNonFloat(nn.Module):
+    """Frozen int64 and bool parameters (moved as bytes, never cast) that the forward reads,
+    beside two trainable Linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6))
+        self.counts = nn.Parameter(torch.arange(7) * 3 - 5, requires_grad=False)
+        self.mask = nn.Parameter(torch.arange(5) % 2 == 0, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.counts.sum().to(x.dtype) / 100 + self.mask.sum().to(x.dtype)
+        return self.layers(x) * scale
+
+
+def _train_frozen_non_float(impl: str, mixed: bool) -> dict[str, Any]:
+    api = import_fsdp(impl)
+    torch.manual_seed(3)
+    model = FrozenNonFloat()
+    kwargs: dict[str, Any] = {"mesh": device_mesh(dist.get_world_size())}
+    if mixed:
+        kwargs["mp_policy"] = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                       reduce_dtype=torch.float32)
+    for module in (*model.layers, model):
+        api.fully_shard(module, **kwargs)
+    optimizer = torch.optim.SGD(model.layers.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(20 + dist.get_rank())
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(4, 6, generator=g)).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    out = {"losses": losses, "counts": full(model.counts), "mask": full(model.mask),
+           "dtypes": (model.counts.dtype, model.mask.dtype),
+           "layers": {n: full(p) for n, p in model.layers.named_parameters()}}
+    if impl == "fsdp":
+        out["views"] = _views_of_buffers(model)
+    return out
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_frozen_integer_and_bool_parameters_train_like_fsdp2(ranks, world: int,
+                                                             mixed: bool) -> None:
+    initial = FrozenNonFloat()
+    ours = ranks.run(world, _train_frozen_non_float, "fsdp", mixed)[0]
+    theirs = ranks.run(world, _train_frozen_non_float, "torch", mixed)[0]
+    assert ours.pop("views") is True
+    assert ours["dtypes"] == theirs["dtypes"] == (torch.int64, torch.bool)
+    assert torch.equal(ours["counts"], initial.counts) and torch.equal(ours["mask"], initial.mask)
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-6)
+    for name, value in theirs["layers"].items():
+        torch.testing.assert_close(ours["layers"][name], value, rtol=1e-6, atol=1e-6, msg=name)

@@ -46,7 +46,8 @@ from dbuffer.collectives import (
     check_comm,
     reduce_scatter_into,
 )
-from dbuffer.errors import FreedBufferError, check_consistent, check_dtype, check_gradient_dtype
+from dbuffer.errors import (FreedBufferError, check_cast, check_consistent, check_dtype,
+                            check_gradient_dtype)
 from dbuffer.flat import FlatBuffer
 from dbuffer.freed import metadata_access
 from dbuffer.scopes import scope
@@ -98,8 +99,8 @@ class DBuffer:
         device: where the buffers live; ``"meta"`` holds no memory (a model built on the
             meta device before ``to_empty``): its collectives raise.
         dtype: the sharded master copy's dtype (also the sharded gradients'), one of
-            :data:`dbuffer.SUPPORTED_DTYPES`; float8 dtypes are moved as bytes and only for
-            frozen tensors (``requires_grad=()``).
+            :data:`dbuffer.SUPPORTED_DTYPES`; float8, integer and bool dtypes are moved as
+            bytes and only for frozen tensors (``requires_grad=()``).
         compute_dtype: the unsharded parameters' and gradients' dtype (default ``dtype``).
         reduce_dtype: the dtype gradients are reduced in (default ``compute_dtype``).
         requires_grad: names of the trainable tensors (default: all). Frozen tensors get no
@@ -114,7 +115,8 @@ class DBuffer:
     wrote the unsharded buffer), the HSDP all-reduce a no-op, as in FSDP2.
 
     Raises:
-        TypeError: for an unsupported dtype, or float8 with trainable tensors.
+        TypeError: for an unsupported dtype, a cast to or from an integer or bool dtype, or a
+            byte dtype (float8, integer, bool) with trainable tensors.
         ValueError: for a plan that does not match the group, unknown ``requires_grad`` names,
             or a plan/dtype fingerprint that differs across ranks (on every rank).
     """
@@ -260,6 +262,8 @@ class DBuffer:
             check_dtype(self.dtype, "dtype")
             check_dtype(self.compute_dtype, "compute_dtype")
             check_dtype(self.reduce_dtype, "reduce_dtype")
+            check_cast(self.dtype, self.compute_dtype, "compute_dtype")
+            check_cast(self.compute_dtype, self.reduce_dtype, "reduce_dtype")
             if self.trainable:
                 check_gradient_dtype(self.dtype, "dtype")
                 check_gradient_dtype(self.compute_dtype, "compute_dtype")

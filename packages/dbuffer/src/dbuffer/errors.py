@@ -15,33 +15,59 @@ import torch
 import torch.distributed as dist
 from ragged_dtensor import raise_on_any_rank
 
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16,
-                                              torch.float64, torch.float8_e4m3fn,
-                                              torch.float8_e5m2)
-"""Every dtype a DBuffer holds: the floating-point dtypes FSDP2 accepts for parameters."""
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16,
+                                          torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
+"""The floating-point dtypes: the only ones DBuffer casts and its kernels compute on."""
 
-BYTE_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
-"""Dtypes moved as raw bytes (gloo has no float8 type) and held without arithmetic: a DBuffer
-holding them has no gradients (frozen tensors, as FSDP2 takes float8 weights)."""
+BYTE_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int64,
+                                         torch.int32, torch.int16, torch.int8, torch.uint8,
+                                         torch.bool)
+"""Dtypes moved as raw bytes (gloo has no float8 or bool type) and held without arithmetic: a
+DBuffer holding them has no gradients. FSDP2 takes them as frozen parameters (float8 weights,
+an integer table registered as a ``Parameter`` with ``requires_grad=False``)."""
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(dict.fromkeys(FLOAT_DTYPES + BYTE_DTYPES))
+"""Every dtype a DBuffer holds: the dtypes FSDP2 accepts for parameters (complex excepted)."""
 
 
 class FreedBufferError(RuntimeError):
     """A view of a buffer was requested (or the buffer used) while its storage is freed."""
 
 
-def check_dtype(dtype: torch.dtype, arg: str) -> None:
-    """Raise ``TypeError`` unless ``dtype`` is one DBuffer and its kernels support.
+def check_dtype(dtype: torch.dtype, arg: str,
+                supported: tuple[torch.dtype, ...] = SUPPORTED_DTYPES) -> None:
+    """Raise ``TypeError`` unless ``dtype`` is one of ``supported``.
 
     Args:
         dtype: the dtype to check.
         arg: the name of the argument or tensor, for the message.
+        supported: :data:`SUPPORTED_DTYPES` for a buffer, :data:`FLOAT_DTYPES` for a kernel.
 
     Raises:
-        TypeError: for any dtype outside :data:`SUPPORTED_DTYPES`.
+        TypeError: for any dtype outside ``supported``.
     """
-    if dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+    if dtype not in supported:
+        names = ", ".join(str(d) for d in supported)
         raise TypeError(f"{arg}: dtype {dtype} is not supported (supported: {names})")
+
+
+def check_cast(source: torch.dtype, target: torch.dtype, arg: str) -> None:
+    """Raise ``TypeError`` for a cast that involves an integer or bool dtype: those tensors
+    are held and gathered as they are (as FSDP2 applies mixed precision to floating-point
+    parameters only), so a cast to or from them is a mistake, not a conversion to make.
+
+    Args:
+        source: the dtype cast from.
+        target: the dtype cast to (``arg``'s value).
+        arg: the name of the argument holding ``target``, for the message.
+
+    Raises:
+        TypeError: when the two differ and either is not a floating-point dtype.
+    """
+    if source != target and not (source.is_floating_point and target.is_floating_point):
+        raise TypeError(f"{arg}: dtype {target} is not supported for a cast from {source} (only "
+                        "floating-point tensors are cast; integer and bool ones are held as "
+                        "they are)")
 
 
 def check_gradient_dtype(dtype: torch.dtype, arg: str) -> None:
@@ -52,11 +78,12 @@ def check_gradient_dtype(dtype: torch.dtype, arg: str) -> None:
         arg: the name of the argument, for the message.
 
     Raises:
-        TypeError: for a dtype of :data:`BYTE_DTYPES` (no gradient arithmetic in float8).
+        TypeError: for a dtype of :data:`BYTE_DTYPES` (no gradient arithmetic on bytes).
     """
     if dtype in BYTE_DTYPES:
-        raise TypeError(f"{arg}: dtype {dtype} holds no gradients (float8 tensors are held as "
-                        "bytes): make them frozen (requires_grad=False / requires_grad=())")
+        raise TypeError(f"{arg}: dtype {dtype} holds no gradients (float8, integer and bool "
+                        "tensors are held as bytes): make them frozen (requires_grad=False / "
+                        "requires_grad=())")
 
 
 def check_consistent(error: BaseException | None, fingerprint: str,

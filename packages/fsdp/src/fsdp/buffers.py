@@ -18,10 +18,12 @@ def make_buffer(plan: Plan, mesh: DeviceMesh, *, device: torch.device, dtype: to
                 full_tensors: Mapping[str, torch.Tensor] | None = None) -> DBuffer:
     """A DBuffer for ``plan``: master copy in ``dtype``, compute and reduction in the
     policy's dtypes, gradient memory only when ``trainable``; filled from ``full_tensors``
-    (each rank keeps its runs) when given."""
-    compute = mp_policy.param_dtype or dtype
+    (each rank keeps its runs) when given. Integer and bool tensors are never cast, as in
+    FSDP2: mixed precision is for floating-point parameters."""
+    floating = dtype.is_floating_point
+    compute = (mp_policy.param_dtype if floating else None) or dtype
     kwargs = dict(device=device, dtype=dtype, compute_dtype=compute,
-                  reduce_dtype=mp_policy.reduce_dtype or compute,
+                  reduce_dtype=(mp_policy.reduce_dtype if floating else None) or compute,
                   requires_grad=None if trainable else ())
     if full_tensors is None:
         return DBuffer(plan, mesh, **kwargs)

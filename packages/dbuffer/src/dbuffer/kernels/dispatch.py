@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 
-from dbuffer.errors import check_dtype
+from dbuffer.errors import FLOAT_DTYPES, check_dtype
 from dbuffer.kernels import torch_ops
 from dbuffer.scopes import scope
 
@@ -87,7 +87,7 @@ def _use_triton(backend: Backend, *tensors: torch.Tensor) -> bool:
 def _flat(tensor: torch.Tensor, arg: str) -> torch.Tensor:
     if not tensor.is_contiguous():
         raise ValueError(f"{arg} must be contiguous (a flat buffer), got strides {tensor.stride()}")
-    check_dtype(tensor.dtype, arg)
+    check_dtype(tensor.dtype, arg, FLOAT_DTYPES)
     return tensor.view(-1)
 
 
