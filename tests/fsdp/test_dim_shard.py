@@ -17,6 +17,10 @@ one process in the same test.
   buffer, and a model built on the meta device initialises through ``to_empty``.
 * Tensor parallelism (dp 2 x tp 2): ``Shard(1)`` of a ColwiseParallel weight, as FSDP2's 2-D
   pattern asks, gives FSDP2's placements and local shard and trains like one process.
+* ``ShardPlacementResult`` (torch 2.13) on ``fully_shard``'s own mesh (1-D, and HSDP 2x2)
+  trains like FSDP2 given the same results; one on another mesh, also FSDP2's expert pattern
+  (experts on an ``ep`` mesh, their results on an ``efsdp`` mesh), raises
+  ``NotImplementedError`` on every rank naming the parameter.
 * Errors: a dim the tensor lacks (past either end), uneven chunks, ``Shard(d)`` along the dim
   tensor parallelism cuts and an FP8 all-gather of such a parameter raise on every rank
   (the first two with FSDP2's own words).
@@ -53,6 +57,25 @@ def _dim1(param: nn.Parameter) -> Shard | None:
 
 def _last(param: nn.Parameter) -> Shard | None:
     return Shard(-1) if param.ndim == 2 else None
+
+
+@functools.cache
+def _mesh_info(mesh_shape: tuple[int, ...]) -> Any:
+    """FSDP2's description of the mesh ``_train`` shards over (its names as there); one
+    object per mesh, as FSDP2 requires of the parameters of one group."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    if len(mesh_shape) == 2:
+        mesh = device_mesh(*mesh_shape, names=("replicate", "shard"))
+        return HSDPMeshInfo(mesh=mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    return FSDPMeshInfo(mesh=device_mesh(*mesh_shape), shard_mesh_dim=0)
+
+
+def _result_dim1(mesh_shape: tuple[int, ...], param: nn.Parameter) -> Any:
+    """``_dim1`` as a ``ShardPlacementResult`` on the mesh ``_train`` shards over."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+
+    return ShardPlacementResult(placement=_dim1(param), mesh_info=_mesh_info(mesh_shape))
 
 
 def _shard(model: nn.Module, impl: str, mesh: Any, fn: Any) -> None:
@@ -119,9 +142,11 @@ def _error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     return max((got[n] - ref[n]).abs().max().item() for n in ref)
 
 
-@pytest.mark.parametrize("world,mesh_shape,fn", [(2, (2,), _dim1), (3, (3,), _last),
-                                                 (4, (2, 2), _dim1)],
-                         ids=["w2", "w3-neg1", "hsdp2x2"])
+@pytest.mark.parametrize("world,mesh_shape,fn", [
+    (2, (2,), _dim1), (3, (3,), _last), (4, (2, 2), _dim1),
+    (3, (3,), functools.partial(_result_dim1, (3,))),
+    (4, (2, 2), functools.partial(_result_dim1, (2, 2))),
+], ids=["w2", "w3-neg1", "hsdp2x2", "w3-result", "hsdp2x2-result"])
 def test_shard_dim1_trains_like_fsdp2(ranks, world, mesh_shape, fn):
     reference = _train(None, (1,), fn, world)
     for out in ranks.run(world, _both, mesh_shape, fn):
@@ -458,3 +483,49 @@ def test_shard_dim_errors_raise_on_every_rank(ranks):
     assert out["tp"].startswith("NotImplementedError") and "'0.weight', whose dim 1 tensor" in out["tp"]
     assert out["below_ndim"].startswith("AssertionError") and "Shard dim -3 is invalid for 2D" in out["below_ndim"]
     assert out["fp8"].startswith("NotImplementedError") and "'weight' is sharded along a dim > 0" in out["fp8"]
+
+
+def _other_mesh_errors() -> dict[str, str]:
+    import fsdp
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import distribute_module
+
+    def error_of(fn: Any) -> str:
+        try:
+            fn()
+        except Exception as error:  # noqa: BLE001 - the type is part of what is compared
+            return f"{type(error).__name__}: {error}"
+        return "no error"
+
+    # FSDP2's expert pattern (test_shard_placement_fn_tp_ep): dp of 4 unflattened into
+    # (efsdp 2, ep 2); the experts are Shard(0) DTensors over ep, their result names efsdp.
+    dp = device_mesh(4, names=("dp_other",))
+    sparse = dp._unflatten(0, (2, 2), ("efsdp", "ep"))
+    model = nn.Module()
+    model.dense = nn.Linear(4, 4)
+    model.experts = nn.Module()
+    model.experts.w = nn.Parameter(torch.randn(4, 4, 4))
+    distribute_module(model.experts, sparse["ep"],
+                      lambda name, m, mesh: m.register_parameter("w", nn.Parameter(
+                          distribute_tensor(m.w.data, mesh, [Shard(0)]))))
+    experts = {model.experts.w}
+
+    def placement(param: nn.Parameter) -> Any:
+        mesh = sparse["efsdp"] if param in experts else dp
+        return ShardPlacementResult(placement=Shard(0), mesh_info=FSDPMeshInfo(mesh, 0))
+
+    return {
+        "expert": error_of(lambda: fsdp.fully_shard(model, mesh=dp, shard_placement_fn=placement)),
+        "sub_mesh": error_of(lambda: fsdp.fully_shard(
+            nn.Linear(4, 4), mesh=dp, shard_placement_fn=lambda p: ShardPlacementResult(
+                placement=None, mesh_info=FSDPMeshInfo(sparse["efsdp"], 0)))),
+    }
+
+
+def test_shard_placement_result_on_another_mesh_raises_on_every_rank(ranks):
+    for out in ranks.run(4, _other_mesh_errors):
+        assert out["expert"].startswith("NotImplementedError"), out["expert"]
+        assert "parameter 'experts.w'" in out["expert"] and "efsdp" in out["expert"]
+        assert "per-parameter meshes are not supported" in out["expert"]
+        assert out["sub_mesh"].startswith("NotImplementedError"), out["sub_mesh"]
+        assert "parameter 'weight'" in out["sub_mesh"]

@@ -106,6 +106,38 @@ def test_tp_mesh_of_another_world_raises_on_every_rank(ranks) -> None:
     assert all("'0.weight'" in m for m in messages), messages
 
 
+def _rank_local_error_case() -> str:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import fsdp
+    from tests.harness import device_mesh
+
+    world = device_mesh(2, 2, names=("dp", "tp"))
+    model = nn.Sequential(nn.Linear(6, 8, bias=False))
+    parallelize_module(model, world["tp"], {"0": ColwiseParallel()})
+    if dist.get_rank() == 1:  # one rank only: a local tensor of the wrong shape
+        w = model[0].weight
+        model[0].weight = nn.Parameter(DTensor.from_local(
+            torch.zeros(3, 6), w.device_mesh, w.placements, shape=w.shape, stride=w.stride(),
+            run_check=False))
+    try:
+        fsdp.fully_shard(model, mesh=world["dp"])
+    except ValueError as caught:
+        return str(caught)
+    return "no error"
+
+
+def test_a_rank_local_error_raises_on_every_tp_coordinate(ranks) -> None:
+    """Rank 1's error reaches ranks 0 and 2, which share no data-parallel group with it: they
+    would otherwise go on to their first TP collective without ranks 1 and 3."""
+    messages = ranks.run(4, _rank_local_error_case, timeout=TIMEOUT_S)
+    assert all("'0.weight' has a local tensor of shape (3, 6)" in m for m in messages), messages
+
+
 def _fp8_case() -> str:
     from torch import nn
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module

@@ -13,17 +13,24 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
+def buffer_dtypes(dtype: torch.dtype,
+                  mp_policy: MixedPrecisionPolicy) -> tuple[torch.dtype, torch.dtype]:
+    """The compute and reduce dtypes of a buffer whose master copy is in ``dtype``. Integer
+    and bool tensors are never cast, as in FSDP2: mixed precision is for floating-point
+    parameters."""
+    floating = dtype.is_floating_point
+    compute = (mp_policy.param_dtype if floating else None) or dtype
+    return compute, (mp_policy.reduce_dtype if floating else None) or compute
+
+
 def make_buffer(plan: Plan, mesh: DeviceMesh, *, device: torch.device, dtype: torch.dtype,
                 mp_policy: MixedPrecisionPolicy, trainable: bool,
                 full_tensors: Mapping[str, torch.Tensor] | None = None) -> DBuffer:
     """A DBuffer for ``plan``: master copy in ``dtype``, compute and reduction in the
-    policy's dtypes, gradient memory only when ``trainable``; filled from ``full_tensors``
-    (each rank keeps its runs) when given. Integer and bool tensors are never cast, as in
-    FSDP2: mixed precision is for floating-point parameters."""
-    floating = dtype.is_floating_point
-    compute = (mp_policy.param_dtype if floating else None) or dtype
-    kwargs = dict(device=device, dtype=dtype, compute_dtype=compute,
-                  reduce_dtype=(mp_policy.reduce_dtype if floating else None) or compute,
+    policy's dtypes (:func:`buffer_dtypes`), gradient memory only when ``trainable``; filled
+    from ``full_tensors`` (each rank keeps its runs) when given."""
+    compute, reduce = buffer_dtypes(dtype, mp_policy)
+    kwargs = dict(device=device, dtype=dtype, compute_dtype=compute, reduce_dtype=reduce,
                   requires_grad=None if trainable else ())
     if full_tensors is None:
         return DBuffer(plan, mesh, **kwargs)

@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 from dbuffer import DBuffer
 from torch._prims_common import make_contiguous_strides_for
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -83,35 +84,62 @@ class DimShard:
         return flat.view(rows, *self.stored_shape[1:]).movedim(0, self.dim)
 
 
-def shard_dim(name: str, param: torch.Tensor,
-              shard_placement_fn: Callable[[nn.Parameter], object] | None) -> int:
-    """The dim FSDP2's ``shard_placement_fn`` asks to cut ``param`` along (0 for ``None``),
-    checked as FSDP2 checks it: a negative dim counts from the end.
+def shard_dims(named: list[tuple[str, nn.Parameter]],
+               shard_placement_fn: Callable[[nn.Parameter], object] | None,
+               mesh: DeviceMesh) -> dict[str, int]:
+    """The dim FSDP2's ``shard_placement_fn`` asks to cut each parameter along (0 for
+    ``None``), calling it once per parameter and checking each answer as FSDP2 does: a
+    negative dim counts from the end. A ``ShardPlacementResult`` (torch 2.13) is taken for its
+    placement when its mesh is ``fully_shard``'s own; a parameter on a mesh of its own (FSDP2's
+    expert pattern) is refused, since one fsdp group reduces over one mesh.
 
     Args:
-        name: the parameter's name in its group (for error messages).
-        param: the parameter.
+        named: the group's parameters with their names (for error messages).
         shard_placement_fn: FSDP2's placement hook, or ``None``.
+        mesh: ``fully_shard``'s data-parallel mesh.
 
     Returns:
-        A dim in ``[0, param.dim())``.
+        For every name, a dim in ``[0, param.dim())``.
 
     Raises:
-        AssertionError: for a dim ``param`` does not have (FSDP2's error and words).
-        NotImplementedError: for a placement other than ``Shard`` (e.g. a per-parameter mesh).
+        AssertionError: for a dim a parameter does not have (FSDP2's error and words).
+        NotImplementedError: for a placement other than ``Shard``, or a
+            ``ShardPlacementResult`` on another mesh.
     """
-    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
-    if placement is None:
-        return 0
-    if not isinstance(placement, Shard):
+    dims: dict[str, int] = {}
+    for name, param in named:
+        placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+        if hasattr(placement, "mesh_info"):  # ShardPlacementResult, torch 2.13
+            _check_own_mesh(name, placement.mesh_info, mesh)  # type: ignore[union-attr]
+            placement = placement.placement  # type: ignore[union-attr]
+        if placement is None:
+            dims[name] = 0
+            continue
+        if not isinstance(placement, Shard):
+            raise NotImplementedError(
+                f"shard_placement_fn returned {placement!r} for parameter {name!r}: only None, "
+                "Shard(d) or a ShardPlacementResult on fully_shard's mesh are supported")
+        dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+        if not 0 <= dim < param.dim():
+            raise AssertionError(f"Shard dim {placement.dim} is invalid for {param.dim()}D "
+                                 f"tensor: {tuple(param.shape)}")
+        dims[name] = dim
+    return dims
+
+
+def _check_own_mesh(name: str, mesh_info: Any, mesh: DeviceMesh) -> None:
+    """Raise unless ``mesh_info`` (FSDP2's ``FSDPMeshInfo`` / ``HSDPMeshInfo``) describes
+    ``mesh`` as fsdp uses it: the shard dim last, on a 2-D mesh the replicate dim first."""
+    replicate = getattr(mesh_info, "replicate_mesh_dim", None)
+    if (mesh_info.mesh != mesh or mesh_info.shard_mesh_dim != mesh.ndim - 1
+            or replicate != (0 if mesh.ndim == 2 else None)):
         raise NotImplementedError(
-            f"shard_placement_fn returned {placement!r} for parameter {name!r}: only None or "
-            "Shard(d) are supported (per-parameter meshes are not)")
-    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
-    if not 0 <= dim < param.dim():
-        raise AssertionError(f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: "
-                             f"{tuple(param.shape)}")
-    return dim
+            f"shard_placement_fn returned a ShardPlacementResult for parameter {name!r} on "
+            f"{mesh_info.mesh} (shard dim {mesh_info.shard_mesh_dim}, replicate dim "
+            f"{replicate}), not on fully_shard's mesh {mesh}: per-parameter meshes are not "
+            "supported (one fsdp group reduces over one mesh). For experts sharded over an "
+            "expert-parallel mesh, fully_shard them over the data-parallel mesh with their EP "
+            "placements (docs: fsdp-tp, expert parallelism), or in a group of their own")
 
 
 def check_even(name: str, param: torch.Tensor, dim: int, shard_size: int) -> None:

@@ -8,7 +8,7 @@ so every rank holds whole units and the collectives run in place.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn, overload
 
 import torch
@@ -20,8 +20,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy,
                                     OffloadPolicy)
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.tensor import DTensor
 
 from fsdp import post_forward, spmd_mesh
+from fsdp.dim_shard import shard_dims
 from fsdp.fp8 import BlockwiseFP8, GroupQuantizer, quantized_units, refuse_unsupported
 from fsdp.param_group import BACKWARD_PREFETCH_STARTS
 from fsdp.policies import UnitPolicy
@@ -83,7 +85,9 @@ def fully_shard(
             flattened tensor (``unit_policy``'s, rows by default); ``Shard(d > 0)`` cuts
             equal chunks along ``d`` as FSDP2 does, with no copy: the parameter is stored
             dim-permuted in a buffer of its own, and its local shard, unsharded parameter
-            and gradients are non-contiguous views (see :mod:`fsdp.dim_shard`).
+            and gradients are non-contiguous views (see :mod:`fsdp.dim_shard`). A
+            ``ShardPlacementResult`` (torch 2.13) is taken for its placement when its mesh
+            is ``mesh``; one on another mesh raises.
         mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` (one fused cast per
             buffer before the all-gather), ``reduce_dtype``, ``output_dtype``,
             ``cast_forward_inputs``.
@@ -122,7 +126,7 @@ def fully_shard(
         NotImplementedError: for tensor-parallel (DTensor) parameters whose placements fsdp
             cannot compose with (a ``Shard(d)`` leaving a TP rank empty, ``Partial``; see
             :mod:`fsdp.tensor_parallel`), a ``shard_placement_fn`` result other than
-            ``Shard``, uneven ``Shard(d > 0)`` chunks (FSDP2's), ``Shard(d > 0)`` along a
+            ``Shard`` or a ``ShardPlacementResult`` on ``mesh``, uneven ``Shard(d > 0)`` chunks (FSDP2's), ``Shard(d > 0)`` along a
             dim tensor parallelism already cuts or of an FP8-gathered parameter, or CPU
             offload of a mesh that is not on CPU, or a ``dp_mesh_dims`` fsdp does not take
             (:mod:`fsdp.spmd_mesh`).
@@ -179,10 +183,14 @@ def fully_shard(
     try:
         collected = collect_params(managed_modules(modules, lambda m: get_state(m) is not None),
                                    set(ignored_params or ()))
-        # TP layouts first: their checks read global facts (an uneven TP cut that leaves a
-        # TP rank nothing raises everywhere, not only where a unit policy would divide by 0)
-        layouts = plan_layouts([(c.name, c.param) for c in collected], mesh, spmd)
-        units, dims = resolve_units(collected, unit_policy, shard_placement_fn,
+        named = [(c.name, c.param) for c in collected]
+        # The placements first (a parameter meant for another mesh is refused as such, not
+        # for its TP mesh), then the TP layouts: their checks read global facts (an uneven TP
+        # cut that leaves a TP rank nothing raises everywhere, not only where a unit policy
+        # would divide by 0)
+        placement_dims = shard_dims(named, shard_placement_fn, mesh)
+        layouts = plan_layouts(named, mesh, spmd)
+        units, dims = resolve_units(collected, unit_policy, placement_dims,
                                     mesh.size(mesh.ndim - 1), layouts)
         units, quantized = quantized_units(quantize_all_gather, collected, units)
         refuse_unsupported(quantized, layouts, dims)
@@ -191,14 +199,17 @@ def fully_shard(
     # One collective per mesh dim: an error found on any rank, or parameters (names, shapes,
     # dtypes, units) that differ across ranks, raise on every rank before any rank plans.
     # The error travels along every dim before any rank raises it (one raised on the first
-    # dim of an HSDP mesh would leave the other replica groups waiting on the second), on an
-    # SPMD mesh also along the other dims (the ranks that hold other pieces of the same
-    # parameters).
+    # dim of an HSDP mesh would leave the other replica groups waiting on the second), with
+    # tensor parallelism first along the TP dims (the ranks that hold other pieces of the
+    # same parameters, which would otherwise go on to their first TP collective alone).
     agree_on = signature(collected, units, dims)
     groups = [(mesh.get_group(dim), agree_on) for dim in range(mesh.ndim)]
     if spmd is not None:
         groups = [(spmd.mesh.get_group(dim), None)
                   for dim in range(spmd.dp_dims, spmd.mesh.ndim)] + groups
+    else:
+        groups = [(tp_mesh.get_group(dim), None) for tp_mesh in _tp_meshes(modules, ignored_params)
+                  for dim in range(tp_mesh.ndim)] + groups
     for process_group, agreed in groups[:-1]:
         error = _spread_error(error, process_group, agreed)
     raise_on_any_rank(error, groups[-1][0], agree_on=groups[-1][1])
@@ -245,6 +256,21 @@ def _spread_error(error: BaseException | None, group: dist.ProcessGroup,
     except Exception as caught:  # the consensus error has the failing rank's type
         return error if error is not None else caught
     return None
+
+
+def _tp_meshes(modules: tuple[nn.Module, ...],
+               ignored: Iterable[nn.Parameter] | None) -> list[DeviceMesh]:
+    """The meshes of the DTensor parameters a new group would take, each once, in
+    registration order: read from the modules themselves (not from what collection found,
+    which an error may have cut short), so that every rank derives the same list."""
+    skipped = set(ignored or ())
+    meshes: list[DeviceMesh] = []
+    for managed in managed_modules(modules, lambda m: get_state(m) is not None):
+        for param in managed.module._parameters.values():
+            if (isinstance(param, DTensor) and param not in skipped
+                    and param.device_mesh not in meshes):
+                meshes.append(param.device_mesh)
+    return meshes
 
 
 def _in_stream(hook: Callable[[torch.Tensor], None], stream: Any) -> Callable[[torch.Tensor], None]:

@@ -28,13 +28,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
 
 from fsdp.backward_split import backward_stages, cut_by_children
-from fsdp.buffers import make_buffer, sharded_parameter
+from fsdp.buffers import buffer_dtypes, make_buffer, sharded_parameter
 from fsdp.dim_shard import (
     DimShard,
     DimShardManagedParam,
     TPDimShardManagedParam,
     check_even,
-    shard_dim,
 )
 from fsdp.managed_param import ManagedParam
 from fsdp.param_group import FSDPParamGroup
@@ -164,25 +163,25 @@ def _align(dtypes: Iterable[torch.dtype]) -> int:
 
 
 def resolve_units(collected: list[Collected], unit_policy: UnitPolicy | None,
-                  shard_placement_fn: Callable[[nn.Parameter], object] | None,
-                  shard_size: int, layouts: Mapping[str, TPLayout]
+                  shard_dims: Mapping[str, int], shard_size: int,
+                  layouts: Mapping[str, TPLayout]
                   ) -> tuple[dict[str, int], dict[str, DimShard]]:
     """Every parameter's unit under the user's policies, and the parameters
-    ``shard_placement_fn`` cuts along a dim ``d > 0`` (:mod:`fsdp.dim_shard`), whose unit is
-    their whole chunk (``unit_policy`` does not apply to them).
+    ``shard_placement_fn`` cuts along a dim ``d > 0`` (``shard_dims``, from
+    :func:`fsdp.dim_shard.shard_dims`), whose unit is their whole chunk (``unit_policy``
+    does not apply to them).
 
     Raises:
-        AssertionError: for a ``Shard`` dim the parameter lacks (FSDP2's error).
-        NotImplementedError: for uneven ``Shard(d > 0)`` chunks (FSDP2's error), a
-            non-``Shard`` placement, or ``Shard(d > 0)`` along a dim tensor parallelism
-            already cuts (FSDP2's ``_StridedShard`` case).
+        NotImplementedError: for uneven ``Shard(d > 0)`` chunks (FSDP2's error), or
+            ``Shard(d > 0)`` along a dim tensor parallelism already cuts (FSDP2's
+            ``_StridedShard`` case).
         ValueError: for a bad unit.
     """
     units: dict[str, int] = {}
     dims: dict[str, DimShard] = {}
     for c in collected:
         tensor = stored_tensor(c.param)
-        dim = shard_dim(c.name, c.param, shard_placement_fn)
+        dim = shard_dims[c.name]
         if dim == 0:
             units[c.name] = resolve_unit(c.name, tensor, unit_policy)
             continue
@@ -284,8 +283,7 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
     shared: dict[str, str] = {}  # parameters another group manages: name -> its label
     tail: set[str] = set()  # the stages before a group's children's backward
     for (requires_grad, dtype), members in kinds.items():
-        compute = mp_policy.param_dtype or dtype
-        reduce = mp_policy.reduce_dtype or compute
+        compute, reduce = buffer_dtypes(dtype, mp_policy)
         by_name = {c.name: c for c in members}
         cost = shard_size * _BUCKET_COST_BYTES_PER_RANK // dtype.itemsize
         stages, before_children = (_stages(members, stored, dims)
