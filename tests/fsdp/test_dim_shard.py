@@ -18,9 +18,11 @@ one process in the same test.
 * Tensor parallelism (dp 2 x tp 2): ``Shard(1)`` of a ColwiseParallel weight, as FSDP2's 2-D
   pattern asks, gives FSDP2's placements and local shard and trains like one process.
 * ``ShardPlacementResult`` (torch 2.13) on ``fully_shard``'s own mesh (1-D, and HSDP 2x2)
-  trains like FSDP2 given the same results; one on another mesh, also FSDP2's expert pattern
-  (experts on an ``ep`` mesh, their results on an ``efsdp`` mesh), raises
-  ``NotImplementedError`` on every rank naming the parameter.
+  trains like FSDP2 given the same results; one on another mesh (FSDP2's expert pattern:
+  experts on an ``ep`` mesh, their results on an ``efsdp`` mesh, both unflattened from dp)
+  gives the parameter that mesh; a mesh fsdp cannot shard over, and per-parameter meshes
+  with an int ``reshard_after_forward`` or ``dp_mesh_dims``, raise ``NotImplementedError``
+  on every rank naming the parameter.
 * Errors: a dim the tensor lacks (past either end), uneven chunks, ``Shard(d)`` along the dim
   tensor parallelism cuts and an FP8 all-gather of such a parameter raise on every rank
   (the first two with FSDP2's own words).
@@ -485,9 +487,11 @@ def test_shard_dim_errors_raise_on_every_rank(ranks):
     assert out["fp8"].startswith("NotImplementedError") and "'weight' is sharded along a dim > 0" in out["fp8"]
 
 
-def _other_mesh_errors() -> dict[str, str]:
+def _other_meshes() -> dict[str, str]:
     import fsdp
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo, HSDPMeshInfo,
+                                                                  ShardPlacementResult)
     from torch.distributed.tensor import distribute_module
 
     def error_of(fn: Any) -> str:
@@ -496,6 +500,9 @@ def _other_mesh_errors() -> dict[str, str]:
         except Exception as error:  # noqa: BLE001 - the type is part of what is compared
             return f"{type(error).__name__}: {error}"
         return "no error"
+
+    def on(mesh_info: Any) -> Any:
+        return lambda p: ShardPlacementResult(placement=None, mesh_info=mesh_info)
 
     # FSDP2's expert pattern (test_shard_placement_fn_tp_ep): dp of 4 unflattened into
     # (efsdp 2, ep 2); the experts are Shard(0) DTensors over ep, their result names efsdp.
@@ -508,24 +515,32 @@ def _other_mesh_errors() -> dict[str, str]:
     distribute_module(model.experts, sparse["ep"],
                       lambda name, m, mesh: m.register_parameter("w", nn.Parameter(
                           distribute_tensor(m.w.data, mesh, [Shard(0)]))))
-    experts = {model.experts.w}
-
-    def placement(param: nn.Parameter) -> Any:
-        mesh = sparse["efsdp"] if param in experts else dp
-        return ShardPlacementResult(placement=Shard(0), mesh_info=FSDPMeshInfo(mesh, 0))
-
+    experts_info = FSDPMeshInfo(sparse["efsdp"], 0)
+    fsdp.fully_shard(model, mesh=dp, shard_placement_fn=lambda p: ShardPlacementResult(
+        Shard(0), experts_info if p is model.experts.w else FSDPMeshInfo(dp, 0)))
+    hsdp = device_mesh(2, 2, names=("r_other", "s_other"))
     return {
-        "expert": error_of(lambda: fsdp.fully_shard(model, mesh=dp, shard_placement_fn=placement)),
-        "sub_mesh": error_of(lambda: fsdp.fully_shard(
-            nn.Linear(4, 4), mesh=dp, shard_placement_fn=lambda p: ShardPlacementResult(
-                placement=None, mesh_info=FSDPMeshInfo(sparse["efsdp"], 0)))),
+        "expert_mesh": str(model.experts.w.device_mesh.mesh_dim_names),
+        "dense_mesh": str(model.dense.weight.device_mesh.mesh_dim_names),
+        "shard_first": error_of(lambda: fsdp.fully_shard(
+            nn.Linear(4, 4), mesh=dp, shard_placement_fn=on(HSDPMeshInfo(hsdp, 0, 1)))),
+        "int_reshard": error_of(lambda: fsdp.fully_shard(
+            nn.Linear(4, 4), mesh=dp, shard_placement_fn=on(experts_info),
+            reshard_after_forward=2)),
+        "spmd": error_of(lambda: fsdp.fully_shard(
+            nn.Linear(4, 4), mesh=dp, shard_placement_fn=on(experts_info),
+            dp_mesh_dims=DataParallelMeshDims(shard="dp_other"))),
     }
 
 
-def test_shard_placement_result_on_another_mesh_raises_on_every_rank(ranks):
-    for out in ranks.run(4, _other_mesh_errors):
-        assert out["expert"].startswith("NotImplementedError"), out["expert"]
-        assert "parameter 'experts.w'" in out["expert"] and "efsdp" in out["expert"]
-        assert "per-parameter meshes are not supported" in out["expert"]
-        assert out["sub_mesh"].startswith("NotImplementedError"), out["sub_mesh"]
-        assert "parameter 'weight'" in out["sub_mesh"]
+def test_shard_placement_result_meshes_and_their_limits_on_every_rank(ranks):
+    """A result on another mesh (the expert pattern) gives the parameter that mesh (its
+    training: ``tests/fsdp/test_expert_parallel.py``); what fsdp cannot shard over, or
+    compose with, raises on every rank naming the parameter."""
+    for out in ranks.run(4, _other_meshes):
+        assert out["expert_mesh"] == "('efsdp', 'ep')" and out["dense_mesh"] == "('dp_other',)"
+        assert out["shard_first"].startswith("NotImplementedError"), out
+        assert "parameter 'weight'" in out["shard_first"] and "(shard dim 0, replicate dim 1)" in out["shard_first"]
+        for key in ("int_reshard", "spmd"):
+            assert out[key].startswith("NotImplementedError"), out
+            assert "parameter 'weight'" in out[key], out

@@ -92,18 +92,20 @@ def _other_world_case() -> str:
 
     import fsdp
 
+    # Two worlds whose "tp" and "dp" dims group the same ranks ({0, 1} and {2, 3}): no
+    # (dp, tp) mesh holds them both.
     tp_world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "tp"))
-    dp_world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "y"))
+    dp_world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("y", "dp"))
     model = nn.Sequential(nn.Linear(8, 8, bias=False))
     parallelize_module(model, tp_world["tp"], {"0": ColwiseParallel()})
-    with pytest.raises(ValueError, match="not sliced from the same world mesh") as caught:
+    with pytest.raises(ValueError, match="does not join fsdp's mesh") as caught:
         fsdp.fully_shard(model, mesh=dp_world["dp"])
     return str(caught.value)
 
 
-def test_tp_mesh_of_another_world_raises_on_every_rank(ranks) -> None:
+def test_tp_mesh_overlapping_the_dp_mesh_raises_on_every_rank(ranks) -> None:
     messages = ranks.run(4, _other_world_case, timeout=TIMEOUT_S)
-    assert all("'0.weight'" in m for m in messages), messages
+    assert all("'0.weight'" in m and "overlapping" in m for m in messages), messages
 
 
 def _rank_local_error_case() -> str:

@@ -86,12 +86,13 @@ class DimShard:
 
 def shard_dims(named: list[tuple[str, nn.Parameter]],
                shard_placement_fn: Callable[[nn.Parameter], object] | None,
-               mesh: DeviceMesh) -> dict[str, int]:
-    """The dim FSDP2's ``shard_placement_fn`` asks to cut each parameter along (0 for
-    ``None``), calling it once per parameter and checking each answer as FSDP2 does: a
-    negative dim counts from the end. A ``ShardPlacementResult`` (torch 2.13) is taken for its
-    placement when its mesh is ``fully_shard``'s own; a parameter on a mesh of its own (FSDP2's
-    expert pattern) is refused, since one fsdp group reduces over one mesh.
+               mesh: DeviceMesh) -> tuple[dict[str, int], dict[str, DeviceMesh]]:
+    """The dim and the mesh FSDP2's ``shard_placement_fn`` asks to shard each parameter
+    along and over (0 and ``mesh`` for ``None``), calling it once per parameter and checking
+    each answer as FSDP2 does: a negative dim counts from the end. A ``ShardPlacementResult``
+    (torch 2.13) gives both: its mesh may be another than ``mesh`` (FSDP2's expert pattern:
+    experts sharded over an ``efsdp`` mesh beside their ``ep`` mesh), and the parameter then
+    lives in buffers of that mesh within the same group.
 
     Args:
         named: the group's parameters with their names (for error messages).
@@ -99,18 +100,21 @@ def shard_dims(named: list[tuple[str, nn.Parameter]],
         mesh: ``fully_shard``'s data-parallel mesh.
 
     Returns:
-        For every name, a dim in ``[0, param.dim())``.
+        For every name, a dim in ``[0, param.dim())``, and the mesh to shard over.
 
     Raises:
         AssertionError: for a dim a parameter does not have (FSDP2's error and words).
         NotImplementedError: for a placement other than ``Shard``, or a
-            ``ShardPlacementResult`` on another mesh.
+            ``ShardPlacementResult`` whose mesh fsdp cannot shard over (see
+            :func:`_result_mesh`).
     """
     dims: dict[str, int] = {}
+    meshes: dict[str, DeviceMesh] = {}
     for name, param in named:
         placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+        meshes[name] = mesh
         if hasattr(placement, "mesh_info"):  # ShardPlacementResult, torch 2.13
-            _check_own_mesh(name, placement.mesh_info, mesh)  # type: ignore[union-attr]
+            meshes[name] = _result_mesh(name, placement.mesh_info, mesh)  # type: ignore[union-attr]
             placement = placement.placement  # type: ignore[union-attr]
         if placement is None:
             dims[name] = 0
@@ -118,28 +122,31 @@ def shard_dims(named: list[tuple[str, nn.Parameter]],
         if not isinstance(placement, Shard):
             raise NotImplementedError(
                 f"shard_placement_fn returned {placement!r} for parameter {name!r}: only None, "
-                "Shard(d) or a ShardPlacementResult on fully_shard's mesh are supported")
+                "Shard(d) or a ShardPlacementResult are supported")
         dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
         if not 0 <= dim < param.dim():
             raise AssertionError(f"Shard dim {placement.dim} is invalid for {param.dim()}D "
                                  f"tensor: {tuple(param.shape)}")
         dims[name] = dim
-    return dims
+    return dims, meshes
 
 
-def _check_own_mesh(name: str, mesh_info: Any, mesh: DeviceMesh) -> None:
-    """Raise unless ``mesh_info`` (FSDP2's ``FSDPMeshInfo`` / ``HSDPMeshInfo``) describes
-    ``mesh`` as fsdp uses it: the shard dim last, on a 2-D mesh the replicate dim first."""
+def _result_mesh(name: str, mesh_info: Any, mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh of a ``ShardPlacementResult``'s ``mesh_info`` (FSDP2's ``FSDPMeshInfo`` /
+    ``HSDPMeshInfo``), which must describe it as fsdp shards over a mesh: a 1-D mesh, or a
+    named 2-D one with the replicate dim first, on ``mesh``'s device type."""
+    own = mesh_info.mesh
     replicate = getattr(mesh_info, "replicate_mesh_dim", None)
-    if (mesh_info.mesh != mesh or mesh_info.shard_mesh_dim != mesh.ndim - 1
-            or replicate != (0 if mesh.ndim == 2 else None)):
+    if (own.device_type != mesh.device_type or own.ndim not in (1, 2)
+            or mesh_info.shard_mesh_dim != own.ndim - 1
+            or replicate != (0 if own.ndim == 2 else None)
+            or (own.ndim == 2 and own.mesh_dim_names is None)):
         raise NotImplementedError(
             f"shard_placement_fn returned a ShardPlacementResult for parameter {name!r} on "
-            f"{mesh_info.mesh} (shard dim {mesh_info.shard_mesh_dim}, replicate dim "
-            f"{replicate}), not on fully_shard's mesh {mesh}: per-parameter meshes are not "
-            "supported (one fsdp group reduces over one mesh). For experts sharded over an "
-            "expert-parallel mesh, fully_shard them over the data-parallel mesh with their EP "
-            "placements (docs: fsdp-tp, expert parallelism), or in a group of their own")
+            f"{own} (shard dim {mesh_info.shard_mesh_dim}, replicate dim {replicate}): fsdp "
+            f"shards over a 1-D mesh, or a named 2-D (replicate, shard) mesh, on "
+            f"{mesh.device_type} as fully_shard's mesh {mesh}")
+    return own
 
 
 def check_even(name: str, param: torch.Tensor, dim: int, shard_size: int) -> None:

@@ -179,6 +179,7 @@ def fully_shard(
     units: dict[str, int] = {}
     dims: dict = {}
     layouts: dict = {}
+    param_meshes: dict[str, DeviceMesh] = {}
     error: BaseException | None = None
     try:
         collected = collect_params(managed_modules(modules, lambda m: get_state(m) is not None),
@@ -188,10 +189,11 @@ def fully_shard(
         # for its TP mesh), then the TP layouts: their checks read global facts (an uneven TP
         # cut that leaves a TP rank nothing raises everywhere, not only where a unit policy
         # would divide by 0)
-        placement_dims = shard_dims(named, shard_placement_fn, mesh)
-        layouts = plan_layouts(named, mesh, spmd)
-        units, dims = resolve_units(collected, unit_policy, placement_dims,
-                                    mesh.size(mesh.ndim - 1), layouts)
+        placement_dims, param_meshes = shard_dims(named, shard_placement_fn, mesh)
+        _check_param_meshes(param_meshes, mesh, spmd, reshard_after_forward)
+        layouts = plan_layouts(named, param_meshes, spmd)
+        units, dims = resolve_units(collected, unit_policy, placement_dims, param_meshes,
+                                    layouts)
         units, quantized = quantized_units(quantize_all_gather, collected, units)
         refuse_unsupported(quantized, layouts, dims)
     except (ValueError, NotImplementedError, TypeError, AssertionError) as caught:
@@ -202,7 +204,7 @@ def fully_shard(
     # dim of an HSDP mesh would leave the other replica groups waiting on the second), with
     # tensor parallelism first along the TP dims (the ranks that hold other pieces of the
     # same parameters, which would otherwise go on to their first TP collective alone).
-    agree_on = signature(collected, units, dims)
+    agree_on = signature(collected, units, dims, param_meshes)
     groups = [(mesh.get_group(dim), agree_on) for dim in range(mesh.ndim)]
     if spmd is not None:
         groups = [(spmd.mesh.get_group(dim), None)
@@ -215,8 +217,8 @@ def fully_shard(
     raise_on_any_rank(error, groups[-1][0], agree_on=groups[-1][1])
     group = None
     if collected:
-        group = build_group(collected, units, mesh, device, mp_policy, labels, layouts, dims,
-                            backward_split)
+        group = build_group(collected, units, mesh, param_meshes, device, mp_policy, labels,
+                            layouts, dims, backward_split)
         if reshard_after_forward is not None:
             group.config.reshard_after_forward = reshard_after_forward
         group.nested_groups = sum(1 for module in modules for m in module.modules()
@@ -241,6 +243,27 @@ def fully_shard(
 
 
 fully_shard.state = get_state  # type: ignore[attr-defined]  # FSDP2's accessor of a module's state
+
+
+def _check_param_meshes(param_meshes: dict[str, DeviceMesh], mesh: DeviceMesh,
+                        spmd: spmd_mesh.SPMDMesh | None,
+                        reshard_after_forward: bool | int | None) -> None:
+    """Refuse what per-parameter meshes (``ShardPlacementResult``) do not compose with: the
+    full SPMD mesh (its parameters already name their mesh), and an int
+    ``reshard_after_forward`` (one post-forward group per fsdp group)."""
+    other = next((name for name, m in param_meshes.items() if m != mesh), None)
+    if other is None:
+        return
+    if spmd is not None:
+        raise NotImplementedError(
+            f"fully_shard: shard_placement_fn gives parameter {other!r} a mesh of its own "
+            f"({param_meshes[other]}) together with dp_mesh_dims; shard it in a group of its "
+            "own")
+    if not isinstance(reshard_after_forward, (bool, type(None))):
+        raise NotImplementedError(
+            f"fully_shard: reshard_after_forward={reshard_after_forward} with parameters on "
+            f"several meshes (parameter {other!r} on {param_meshes[other]}): pass a bool, or "
+            "shard them in groups of their own")
 
 
 def _spread_error(error: BaseException | None, group: dist.ProcessGroup,
@@ -654,7 +677,8 @@ class FSDPModule:
             ValueError: for a ``stream`` with HSDP (FSDP2's rule and words).
         """
         groups = self._get_fsdp_state().groups
-        if stream is not None and any(g.mesh.ndim == 2 for g in groups):
+        if stream is not None and any(b.topology.replicate_group is not None
+                                      for g in groups for b in g.buffers):
             raise ValueError("stream cannot be set when using native HSDP")
         if stream is not None:
             hook = _in_stream(hook, stream)

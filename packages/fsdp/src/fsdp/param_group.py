@@ -36,7 +36,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from dbuffer import AllGatherComm, CollectiveHandle, DBuffer, ReduceScatterComm, kernels, scope
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp.buffers import make_buffer
@@ -144,14 +143,12 @@ class FSDPParamGroup:
         params: the managed parameters, in registration order.
         buffers: the DBuffers holding them.
         label: a readable name (the modules' class names) for profiles and errors.
-        mesh: the mesh the buffers shard over.
         mp_policy: the mixed-precision policy the buffers were made with.
     """
 
     def __init__(self, params: list[ManagedParam], buffers: list[DBuffer], label: str,
-                 mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
+                 mp_policy: MixedPrecisionPolicy) -> None:
         self.params = params
-        self.mesh = mesh
         self.mp_policy = mp_policy
         self.buffers = buffers
         # Buffers are rebuilt (dtype, device) but keep their kind: a fixed count.
@@ -559,9 +556,14 @@ class FSDPParamGroup:
         """The conditions of :meth:`_may_reduce_early` that every rank shares."""
         return not (self.training_state != TrainingState.PRE_BACKWARD
                     or not self.config.reduce_grads
-                    or (not self.config.all_reduce and self.mesh.ndim == 2)
+                    or self._partial(buffer)
                     or self.reentrant_inside or self.config.reduce_scatter_unused_params
                     or buffer.has_grad_stash or buffer.has_partial_reduce)
+
+    def _partial(self, buffer: DBuffer) -> bool:
+        """Whether ``buffer``'s reduction stops at partial sums: HSDP with the replicas'
+        all-reduce turned off (``set_requires_all_reduce(False)``)."""
+        return not self.config.all_reduce and _replicated(buffer)
 
     def _is_tail(self, buffer: DBuffer) -> bool:
         return any(self.buffers[i] is buffer for i in self.tail_indices)
@@ -758,19 +760,17 @@ class FSDPParamGroup:
                 handle.wait()
         reduced = {id(buffer) for buffer, _ in pending}
         reduce_unused = self.config.reduce_scatter_unused_params
-        partial = not self.config.all_reduce and self.mesh.ndim == 2
         for p in self.params:
             if not p.trainable or id(p.buffer) not in reduced:
                 continue
-            if partial:  # the sums wait for the replicas' all-reduce: no .grad yet
+            if self._partial(p.buffer):  # the sums wait for the replicas' all-reduce: no .grad
                 if p.got_grad:
                     self._partial_grads.add(p.name)
             elif p.got_grad or reduce_unused or p.name in self._partial_grads:
                 p.take_sharded_grad(p.sharded_grad())
             p.release_grad(reduced=True)
-        if not partial:
-            self._partial_grads.difference_update(
-                p.name for p in self.params if id(p.buffer) in reduced)
+        self._partial_grads.difference_update(p.name for p in self.params if id(p.buffer) in reduced
+                                              and not self._partial(p.buffer))
         for buffer, _ in pending:
             buffer.free_grad()
             buffer.free_sharded_grad()
@@ -820,7 +820,7 @@ class FSDPParamGroup:
         Python objects, so optimizers keep them; values are the caller's to write). Collective,
         like every DBuffer construction."""
         old = self.buffers[index]
-        target = make_buffer(old.plan, self.mesh, device=device, dtype=dtype,
+        target = make_buffer(old.plan, old.topology.mesh, device=device, dtype=dtype,
                              mp_policy=self.mp_policy, trainable=bool(old.trainable))
         self.buffers[index] = target
         target.set_custom_all_gather(self.config.all_gather_comm)
@@ -856,3 +856,6 @@ class FSDPParamGroup:
             buffer.free_sharded_grad()
 
 
+def _replicated(buffer: DBuffer) -> bool:
+    """Whether ``buffer`` is HSDP's: its reduction ends with an all-reduce over replicas."""
+    return buffer.topology.replicate_group is not None

@@ -163,13 +163,13 @@ def _align(dtypes: Iterable[torch.dtype]) -> int:
 
 
 def resolve_units(collected: list[Collected], unit_policy: UnitPolicy | None,
-                  shard_dims: Mapping[str, int], shard_size: int,
+                  shard_dims: Mapping[str, int], meshes: Mapping[str, DeviceMesh],
                   layouts: Mapping[str, TPLayout]
                   ) -> tuple[dict[str, int], dict[str, DimShard]]:
     """Every parameter's unit under the user's policies, and the parameters
-    ``shard_placement_fn`` cuts along a dim ``d > 0`` (``shard_dims``, from
-    :func:`fsdp.dim_shard.shard_dims`), whose unit is their whole chunk (``unit_policy``
-    does not apply to them).
+    ``shard_placement_fn`` cuts along a dim ``d > 0`` over their mesh (``shard_dims`` and
+    ``meshes``, from :func:`fsdp.dim_shard.shard_dims`), whose unit is their whole chunk
+    (``unit_policy`` does not apply to them).
 
     Raises:
         NotImplementedError: for uneven ``Shard(d > 0)`` chunks (FSDP2's error), or
@@ -192,6 +192,7 @@ def resolve_units(collected: list[Collected], unit_policy: UnitPolicy | None,
                 f"shard_placement_fn returned Shard({dim}) for parameter {c.name!r}, whose dim "
                 f"{dim} tensor parallelism already cuts ({layout.tp_placements}); fsdp cuts a "
                 "tensor-parallel parameter along dim 0 or a dim TP leaves whole")
+        shard_size = meshes[c.name].size(meshes[c.name].ndim - 1)
         check_even(c.name, tensor, dim, shard_size)
         dims[c.name] = DimShard(dim, tuple(tensor.shape))
         units[c.name] = tensor.numel() // shard_size
@@ -199,11 +200,17 @@ def resolve_units(collected: list[Collected], unit_policy: UnitPolicy | None,
 
 
 def signature(collected: list[Collected], units: dict[str, int],
-              dims: dict[str, DimShard]) -> str:
+              dims: dict[str, DimShard], meshes: Mapping[str, DeviceMesh]) -> str:
     """What every rank must agree on before planning: names, shapes, dtypes, trainability,
-    units and shard dims, in order (ranks that differ would plan different buffers)."""
+    units, shard dims and the shapes and names of the meshes sharded over, in order (ranks
+    that differ would plan different buffers)."""
+    def mesh_of(name: str) -> list | None:
+        mesh = meshes.get(name)
+        return None if mesh is None else [list(mesh.shape), mesh.mesh_dim_names]
+
     return json.dumps([(c.name, list(c.param.shape), str(c.param.dtype), c.param.requires_grad,
-                        units.get(c.name), dims[c.name].dim if c.name in dims else 0)
+                        units.get(c.name), dims[c.name].dim if c.name in dims else 0,
+                        mesh_of(c.name))
                        for c in collected])
 
 
@@ -255,6 +262,7 @@ def _stages(members: list[Collected], stored: dict[str, torch.Tensor],
 
 
 def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceMesh,
+                param_meshes: Mapping[str, DeviceMesh] | None,
                 device: torch.device, mp_policy: MixedPrecisionPolicy,
                 label: str, layouts: dict[str, TPLayout] | None = None,
                 dims: dict[str, DimShard] | None = None,
@@ -268,21 +276,24 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
     dim-permuted, each in a buffer of its own (:mod:`fsdp.dim_shard`). With
     ``backward_split``, the trainable parameters of large groups and of groups around other
     groups go in stages of buffers by backward order (:mod:`fsdp.backward_split`).
+    Parameters that ``param_meshes`` (by name; ``mesh`` for the others) puts on another mesh
+    go in buffers of that mesh, which gather and reduce over it.
     """
     layouts = layouts or {}
     dims = dims or {}
+    param_meshes = param_meshes or {}
     stored = {c.name: stored_tensor(c.param) for c in collected}
     stored.update((name, shard.stored(stored[name])) for name, shard in dims.items())
-    shard_size = mesh.size(mesh.ndim - 1)
-    kinds: dict[tuple[bool, torch.dtype], list[Collected]] = {}
+    kinds: dict[tuple[bool, torch.dtype, DeviceMesh], list[Collected]] = {}
     for c in collected:
-        kinds.setdefault(_kind(c.param), []).append(c)
+        kinds.setdefault((*_kind(c.param), param_meshes.get(c.name, mesh)), []).append(c)
     managed: list[ManagedParam] = []
     buffers: list[DBuffer] = []
     uninitialised: list[DBuffer] = []  # built from meta parameters: nothing written yet
     shared: dict[str, str] = {}  # parameters another group manages: name -> its label
     tail: set[str] = set()  # the stages before a group's children's backward
-    for (requires_grad, dtype), members in kinds.items():
+    for (requires_grad, dtype, kind_mesh), members in kinds.items():
+        shard_size = kind_mesh.size(kind_mesh.ndim - 1)
         compute, reduce = buffer_dtypes(dtype, mp_policy)
         by_name = {c.name: c for c in members}
         cost = shard_size * _BUCKET_COST_BYTES_PER_RANK // dtype.itemsize
@@ -305,7 +316,8 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
             # ``p.is_meta`` to decide what to initialise must see them there): the buffer
             # holds no memory until ``to_empty`` rebuilds it on the real device.
             full = None if meta else {n: stored[n] for n in names}
-            buffer = make_buffer(plan, mesh, device=torch.device("meta") if meta else device,
+            buffer = make_buffer(plan, kind_mesh,
+                                 device=torch.device("meta") if meta else device,
                                  dtype=dtype, mp_policy=mp_policy, trainable=requires_grad,
                                  full_tensors=full)
             buffers.append(buffer)
@@ -337,7 +349,7 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
                 managed.append(m)
     order = {c.name: i for i, c in enumerate(collected)}
     managed.sort(key=lambda m: order[m.name])
-    group = FSDPParamGroup(managed, buffers, label, mesh, mp_policy)
+    group = FSDPParamGroup(managed, buffers, label, mp_policy)
     group.tail_indices = [i for i, b in enumerate(buffers)
                           if b.trainable and all(e.name in tail for e in b.plan.entries)]
     group.watch_uninitialised(uninitialised)

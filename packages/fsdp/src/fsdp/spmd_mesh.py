@@ -100,11 +100,11 @@ def resolve(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims,
     if len(shard) == 1:
         return _submesh(mesh, dp_names), SPMDMesh(mesh, len(dp_names), mesh)
     parts = [_one_dim(mesh, role) for role in (replicate, shard) if role]
-    dp_mesh = _joined(parts)
+    dp_mesh = joined(parts)
     rest = names[len(dp_names):]
     if rest:
         parts.append(_submesh(mesh, rest))
-    return dp_mesh, SPMDMesh(mesh, len(dp_names), _joined(parts))
+    return dp_mesh, SPMDMesh(mesh, len(dp_names), joined(parts))
 
 
 def _submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
@@ -118,6 +118,7 @@ def _one_dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     return _submesh(mesh, names) if len(names) == 1 else mesh[names]._flatten("_".join(names))
 
 
-def _joined(parts: list[DeviceMesh]) -> DeviceMesh:
-    """One mesh of ``parts``' dims, in order."""
+def joined(parts: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh of ``parts``' dims, in order (torch's ``DeviceMesh._concatenate``: a
+    ``RuntimeError`` unless the parts index one world's ranks along independent dims)."""
     return parts[0] if len(parts) == 1 else DeviceMesh._concatenate(parts)

@@ -32,7 +32,7 @@ every rank alike.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +45,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from fsdp.managed_param import ManagedParam
-from fsdp.spmd_mesh import SPMDMesh
+from fsdp.spmd_mesh import SPMDMesh, joined
 
 
 @dataclass(frozen=True)
@@ -138,19 +138,21 @@ def plan_layout(name: str, param: DTensor, dp_mesh: DeviceMesh) -> TPLayout:
             f"fully_shard: parameter {name!r} is a DTensor on mesh {tp_mesh}; composing with "
             "tensor parallelism needs named meshes sliced from one world mesh (e.g. "
             "world['dp'] and world['tp'])")
-    # The combined mesh is sliced from the TP mesh's world, which must hold fsdp's dims over
-    # the same ranks. (Not ``dp_mesh._get_root_mesh() is root``: torch may map an equal
-    # submesh, e.g. a "dp" dim of another world of the same shape, to that other world.)
-    root = tp_mesh._get_root_mesh()
-    names = root.mesh_dim_names or ()
-    if not (set(dp_names) <= set(names) and torch.equal(root[dp_names].mesh, dp_mesh.mesh)):
-        raise ValueError(f"fully_shard: parameter {name!r} lives on {tp_mesh}, which is not "
-                         f"sliced from the same world mesh as fsdp's mesh {dp_mesh}")
     if set(dp_names) & set(tp_names):
         raise ValueError(f"fully_shard: parameter {name!r}'s mesh dims {tp_names} overlap "
                          f"fsdp's mesh dims {dp_names}")
+    # The combined mesh joins the two: torch checks that they index one world's ranks and
+    # cut it along independent dims (slices of one mesh, or of one mesh unflattened: FSDP2's
+    # expert pattern puts experts on an ``ep`` dim and shards them over its ``efsdp``
+    # partner, both unflattened from the data-parallel dim).
+    try:
+        combined = joined([dp_mesh, tp_mesh])
+    except RuntimeError as error:
+        raise ValueError(f"fully_shard: parameter {name!r} lives on {tp_mesh}, which does not "
+                         f"join fsdp's mesh {dp_mesh} into one mesh of one world ({error})"
+                         ) from None
     return TPLayout(tp_mesh, tuple(param.placements), 0, param.shape, tuple(param.stride()),
-                    _tp_local_shape(name, param), root[(*dp_names, *tp_names)])
+                    _tp_local_shape(name, param), combined)
 
 
 def plan_spmd_layout(name: str, param: torch.Tensor, spmd: SPMDMesh) -> TPLayout:
@@ -204,13 +206,15 @@ def _tp_local_shape(name: str, param: DTensor) -> tuple[int, ...]:
     return local_shape
 
 
-def plan_layouts(named_params: Sequence[tuple[str, nn.Parameter]], dp_mesh: DeviceMesh,
+def plan_layouts(named_params: Sequence[tuple[str, nn.Parameter]],
+                 dp_meshes: Mapping[str, DeviceMesh],
                  spmd: SPMDMesh | None = None) -> dict[str, TPLayout]:
-    """:func:`plan_layout` for every DTensor among ``named_params``, by name; with ``spmd``
-    (``fully_shard(..., dp_mesh_dims=...)``), :func:`plan_spmd_layout` for every parameter."""
+    """:func:`plan_layout` for every DTensor among ``named_params`` over its data-parallel
+    mesh (``dp_meshes``, by name), by name; with ``spmd`` (``fully_shard(...,
+    dp_mesh_dims=...)``), :func:`plan_spmd_layout` for every parameter."""
     if spmd is not None:
         return {name: plan_spmd_layout(name, param, spmd) for name, param in named_params}
-    return {name: plan_layout(name, param, dp_mesh)
+    return {name: plan_layout(name, param, dp_meshes[name])
             for name, param in named_params if isinstance(param, DTensor)}
 
 
