@@ -13,7 +13,8 @@
   precision (PyTorch's ``test_reduce_dtype_after_frozen_first_forward`` holds an int64
   ``Parameter``): their values survive exactly and uncast, and training matches FSDP2.
 
-World sizes 2 and 3; at 3 the two-row parameters leave a rank with no unit.
+World sizes 2 and 3 (the integer case also 1); at 3 the two-row parameters leave a rank with no
+unit.
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ def _train_frozen_non_float(impl: str, mixed: bool) -> dict[str, Any]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     out = {"losses": losses, "counts": full(model.counts), "mask": full(model.mask),
            "dtypes": (model.counts.dtype, model.mask.dtype),
            "layers": {n: full(p) for n, p in model.layers.named_parameters()}}
@@ -269,7 +270,7 @@ def _train_frozen_non_float(impl: str, mixed: bool) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("world", (1, *WORLD_SIZES))
 def test_frozen_integer_and_bool_parameters_train_like_fsdp2(ranks, world: int,
                                                              mixed: bool) -> None:
     initial = FrozenNonFloat()

@@ -13,8 +13,8 @@ buffer's follow-up step (HSDP all-reduce, averaging, cast into the sharded gradi
 On a group of one rank no collective is issued (FSDP2 issues none either): the all-gather's
 output already is the shard or receives it by one local copy, the reduce-scatter's output is
 the whole input (one copy unless it is the same memory), and the all-reduce is the identity.
-float8 buffers travel as bytes (``.view(torch.uint8)``): gloo has no float8 type, and an
-all-gather moves bytes without arithmetic.
+float8, integer and bool buffers travel as bytes (``.view(torch.uint8)``): gloo has no float8
+or bool type, and an all-gather moves bytes without arithmetic.
 
 On gloo groups the two collectives run as in-place broadcasts and reduces
 (:mod:`dbuffer.gloo_collectives`): gloo's own versions stage the whole tensor through a
@@ -147,7 +147,7 @@ def _is_single(group: dist.ProcessGroup) -> bool:
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor as the backend moves it: float8 as its bytes."""
+    """The tensor as the backend moves it: float8, integer and bool as their bytes."""
     return tensor.view(torch.uint8) if tensor.dtype in BYTE_DTYPES else tensor
 
 

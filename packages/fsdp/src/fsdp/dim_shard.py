@@ -88,11 +88,10 @@ def shard_dims(named: list[tuple[str, nn.Parameter]],
                shard_placement_fn: Callable[[nn.Parameter], object] | None,
                mesh: DeviceMesh) -> tuple[dict[str, int], dict[str, DeviceMesh]]:
     """The dim and the mesh FSDP2's ``shard_placement_fn`` asks to shard each parameter
-    along and over (0 and ``mesh`` for ``None``), calling it once per parameter and checking
-    each answer as FSDP2 does: a negative dim counts from the end. A ``ShardPlacementResult``
-    (torch 2.13) gives both: its mesh may be another than ``mesh`` (FSDP2's expert pattern:
-    experts sharded over an ``efsdp`` mesh beside their ``ep`` mesh), and the parameter then
-    lives in buffers of that mesh within the same group.
+    along and over (0 and ``mesh`` for ``None``), calling it once per parameter. A
+    ``ShardPlacementResult`` (torch 2.13) gives both: its mesh may be another than ``mesh``
+    (FSDP2's expert pattern: experts sharded over an ``efsdp`` mesh beside their ``ep``
+    mesh), and the parameter then lives in buffers of that mesh within the same group.
 
     Args:
         named: the group's parameters with their names (for error messages).
@@ -100,10 +99,10 @@ def shard_dims(named: list[tuple[str, nn.Parameter]],
         mesh: ``fully_shard``'s data-parallel mesh.
 
     Returns:
-        For every name, a dim in ``[0, param.dim())``, and the mesh to shard over.
+        For every name, the dim as given (checked, in parameter order with the other
+        per-parameter checks, by :func:`checked_dim`), and the mesh to shard over.
 
     Raises:
-        AssertionError: for a dim a parameter does not have (FSDP2's error and words).
         NotImplementedError: for a placement other than ``Shard``, or a
             ``ShardPlacementResult`` whose mesh fsdp cannot shard over (see
             :func:`_result_mesh`).
@@ -123,12 +122,22 @@ def shard_dims(named: list[tuple[str, nn.Parameter]],
             raise NotImplementedError(
                 f"shard_placement_fn returned {placement!r} for parameter {name!r}: only None, "
                 "Shard(d) or a ShardPlacementResult are supported")
-        dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
-        if not 0 <= dim < param.dim():
-            raise AssertionError(f"Shard dim {placement.dim} is invalid for {param.dim()}D "
-                                 f"tensor: {tuple(param.shape)}")
-        dims[name] = dim
+        dims[name] = placement.dim
     return dims, meshes
+
+
+def checked_dim(param: torch.Tensor, dim: int) -> int:
+    """``dim`` (from :func:`shard_dims`) in ``[0, param.dim())``, a negative one counted from
+    the end, as FSDP2 reads it.
+
+    Raises:
+        AssertionError: for a dim ``param`` does not have (FSDP2's error and words).
+    """
+    normalized = dim + param.dim() if dim < 0 else dim
+    if not 0 <= normalized < param.dim():
+        raise AssertionError(f"Shard dim {dim} is invalid for {param.dim()}D tensor: "
+                             f"{tuple(param.shape)}")
+    return normalized
 
 
 def _result_mesh(name: str, mesh_info: Any, mesh: DeviceMesh) -> DeviceMesh:

@@ -34,6 +34,7 @@ from fsdp.dim_shard import (
     DimShardManagedParam,
     TPDimShardManagedParam,
     check_even,
+    checked_dim,
 )
 from fsdp.managed_param import ManagedParam
 from fsdp.param_group import FSDPParamGroup
@@ -172,6 +173,7 @@ def resolve_units(collected: list[Collected], unit_policy: UnitPolicy | None,
     (``unit_policy`` does not apply to them).
 
     Raises:
+        AssertionError: for a ``Shard`` dim the parameter lacks (FSDP2's error).
         NotImplementedError: for uneven ``Shard(d > 0)`` chunks (FSDP2's error), or
             ``Shard(d > 0)`` along a dim tensor parallelism already cuts (FSDP2's
             ``_StridedShard`` case).
@@ -181,7 +183,7 @@ def resolve_units(collected: list[Collected], unit_policy: UnitPolicy | None,
     dims: dict[str, DimShard] = {}
     for c in collected:
         tensor = stored_tensor(c.param)
-        dim = shard_dims[c.name]
+        dim = checked_dim(c.param, shard_dims[c.name])
         if dim == 0:
             units[c.name] = resolve_unit(c.name, tensor, unit_policy)
             continue
