@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ragged_dtensor import RaggedShard, raise_on_any_rank, redistribute_many
+from ragged_dtensor import RaggedShard, raise_on_any_rank, raise_on_any_rank_along, redistribute_many
 from tests.dbuffer.collective_log import record_collectives
 from tests.harness import device_mesh
 
@@ -97,3 +97,40 @@ def test_wrong_local_size_fails_on_every_rank(ranks, mode: str) -> None:
     messages = ranks.run(3, wrong_size_case, mode)
     for message in messages:
         assert "on rank 2 has 4 elements" in message and "gives that rank 3" in message
+
+
+def along_case() -> dict[str, object]:
+    """Rank 1's error on a 2 x 2 mesh ([[0, 1], [2, 3]]): along both dims it reaches rank 2,
+    which shares no group with rank 1; along one dim it does not."""
+    rank = dist.get_rank()
+    mesh = device_mesh(2, 2, names=("rows_c", "cols_c"))
+    steps = [(mesh.get_group(0), None), (mesh.get_group(1), None)]
+    out: dict[str, object] = {}
+    with record_collectives() as happy:
+        raise_on_any_rank_along(None, steps)
+    out["happy"] = [c.name for c in happy]
+    problem = CustomError("bad on 1") if rank == 1 else None
+    try:
+        raise_on_any_rank_along(problem, steps)
+        out["along"] = "no error"
+    except CustomError as error:
+        out["along"] = str(error)
+    try:
+        raise_on_any_rank(problem, mesh.get_group(1))
+        out["one_dim"] = "no error"
+    except CustomError as error:
+        out["one_dim"] = str(error)
+    # agree_on is checked within its own step's group: the rows differ, each row agrees
+    row = mesh.get_local_rank(0)
+    raise_on_any_rank_along(None, [(mesh.get_group(0), None),
+                                   (mesh.get_group(1), f"row {row}")])
+    return out
+
+
+def test_raise_on_any_rank_along_reaches_every_rank_of_a_mesh(ranks) -> None:
+    outs = ranks.run(4, along_case)
+    for rank, out in enumerate(outs):
+        assert out["happy"] == ["all_reduce", "all_reduce"], out  # one per step when all is well
+        assert "rank 1: CustomError: bad on 1" in out["along"], (rank, out)
+    # one dim alone reaches only rank 1's row ({0, 1}): ranks 2 and 3 would go on
+    assert [o["one_dim"] != "no error" for o in outs] == [True, True, False, False]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from dbuffer import AllGatherComm, ReduceScatterComm
-from ragged_dtensor import PeerFailureError, raise_on_any_rank
+from ragged_dtensor import raise_on_any_rank_along
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy,
                                     OffloadPolicy)
@@ -212,9 +212,7 @@ def fully_shard(
     else:
         groups = [(tp_mesh.get_group(dim), None) for tp_mesh in _tp_meshes(modules, ignored_params)
                   for dim in range(tp_mesh.ndim)] + groups
-    for process_group, agreed in groups[:-1]:
-        error = _spread_error(error, process_group, agreed)
-    raise_on_any_rank(error, groups[-1][0], agree_on=groups[-1][1])
+    raise_on_any_rank_along(error, groups)
     group = None
     if collected:
         group = build_group(collected, units, mesh, param_meshes, device, mp_policy, labels,
@@ -264,21 +262,6 @@ def _check_param_meshes(param_meshes: dict[str, DeviceMesh], mesh: DeviceMesh,
             f"fully_shard: reshard_after_forward={reshard_after_forward} with parameters on "
             f"several meshes (parameter {other!r} on {param_meshes[other]}): pass a bool, or "
             "shard them in groups of their own")
-
-
-def _spread_error(error: BaseException | None, group: dist.ProcessGroup,
-                  agree_on: str | None) -> BaseException | None:
-    """:func:`ragged_dtensor.raise_on_any_rank` over ``group`` (every rank of it calls),
-    returning instead of raising: this rank's error, else the one the consensus found, so
-    it travels on to the next dim. A collective that fails itself (``PeerFailureError``)
-    raises at once."""
-    try:
-        raise_on_any_rank(error, group, agree_on=agree_on)
-    except PeerFailureError:
-        raise
-    except Exception as caught:  # the consensus error has the failing rank's type
-        return error if error is not None else caught
-    return None
 
 
 def _tp_meshes(modules: tuple[nn.Module, ...],

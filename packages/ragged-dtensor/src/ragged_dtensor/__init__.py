@@ -14,7 +14,7 @@ from ragged_dtensor.api import (
     from_local_run_like,
     local_shaped,
 )
-from ragged_dtensor.consensus import raise_on_any_rank
+from ragged_dtensor.consensus import raise_on_any_rank, raise_on_any_rank_along
 from ragged_dtensor.peer_failure import (
     PeerFailureError,
     collective_guard,
@@ -37,6 +37,7 @@ __all__ = [
     "is_ragged",
     "local_shaped",
     "raise_on_any_rank",
+    "raise_on_any_rank_along",
     "record_failure",
     "redistribute_many",
     "set_roll_call_timeout",

@@ -6,6 +6,10 @@ rank therefore calls :func:`raise_on_any_rank` at the point where it would raise
 all-reduce of a flag on the happy path, and only on failure an ``all_gather_object`` of the
 messages. The same all-reduce can also check that every rank holds the same value (a plan
 fingerprint, say): a mismatch is one more way to fail, at no extra cost when all agree.
+
+Ranks that share no single group (the ranks of a 2-D mesh: each rank's row group and column
+group differ) agree through :func:`raise_on_any_rank_along`: the error travels along one group
+after another before any rank raises it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from ragged_dtensor.peer_failure import collective_guard
+from collections.abc import Sequence
+
+from ragged_dtensor.peer_failure import PeerFailureError, collective_guard
 
 
 def _flag_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -101,3 +107,39 @@ def raise_on_any_rank(error: BaseException | None, group: dist.ProcessGroup | No
     exc_type = failed[0][1][0]
     message = "; ".join(f"rank {global_rank(rank)}: {text}" for rank, (_, text) in failed)
     raise _rebuild(exc_type, f"error on {len(failed)} rank(s): {message}") from error
+
+
+def raise_on_any_rank_along(error: BaseException | None,
+                            steps: Sequence[tuple[dist.ProcessGroup, str | None]]) -> None:
+    """:func:`raise_on_any_rank` over several groups in turn, raising only after the last:
+    an error found on any rank travels along each group before any rank raises, so with the
+    groups of every dim of a mesh (each rank its own group of each dim, the dims in the same
+    order on every rank) every rank of the mesh raises. Raising on the first dim instead
+    would leave the ranks of other rows waiting in the second dim's collective for ranks that
+    had raised.
+
+    One small all-reduce per group when all is well, as :func:`raise_on_any_rank`. A rank
+    that only relays an error raises the consensus error it received, which names the
+    failing rank and its message.
+
+    Args:
+        error: this rank's error, or ``None``.
+        steps: ``(group, agree_on)`` pairs, in order; ``agree_on`` as in
+            :func:`raise_on_any_rank` (checked within that group only).
+
+    Raises:
+        BaseException: the consensus error, when any rank passed one.
+        ValueError: when ``agree_on`` values differ within a group (and no rank failed).
+        PeerFailureError: at once, when a collective itself fails (a peer died).
+    """
+    if not steps:
+        raise ValueError("raise_on_any_rank_along: steps must name at least one group")
+    for group, agree_on in steps[:-1]:
+        try:
+            raise_on_any_rank(error, group, agree_on=agree_on)
+        except PeerFailureError:
+            raise
+        except Exception as caught:  # noqa: BLE001 - the consensus error has the failing rank's type
+            error = error if error is not None else caught
+    group, agree_on = steps[-1]
+    raise_on_any_rank(error, group, agree_on=agree_on)
