@@ -30,7 +30,7 @@ WATCHED = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor
 @dataclass(frozen=True)
 class Call:
     """One top-level collective: its name, the tensors' data pointers and sizes (the
-    output's also in bytes), and the size of the group it ran over."""
+    output's also in bytes), and the size and name of the group it ran over."""
 
     name: str
     output: int | None
@@ -40,6 +40,7 @@ class Call:
     async_op: bool
     output_bytes: int = 0
     group_size: int = 0
+    group_name: str = ""
 
 
 def _tensor(value: Any) -> torch.Tensor | None:
@@ -69,7 +70,8 @@ def record_collectives() -> Iterator[list[Call]]:
                                 0 if second is None else second.numel(),
                                 bool(kwargs.get("async_op", False)),
                                 0 if first is None else first.numel() * first.element_size(),
-                                dist.get_world_size(kwargs.get("group"))))
+                                dist.get_world_size(kwargs.get("group")),
+                                getattr(kwargs.get("group"), "group_name", "")))
             depth[0] += 1
             try:
                 return original(*args, **kwargs)

@@ -104,3 +104,41 @@ def test_allocate_must_return_memory_the_buffer_can_own(ranks) -> None:
     assert "_Oversized.allocate((4,)" in message
     assert "unsharded parameter buffer" in message and "storage of 48 bytes" in message
     assert recovered
+
+
+def _separate_group_case(seed: int) -> list[str]:
+    """A reduce-scatter over a process group of its own equals one over the shard group, bit
+    for bit, and runs over that group; a group over other ranks is refused."""
+    from tests.dbuffer.collective_log import record_collectives
+
+    p = random_plan(random.Random(seed), dist.get_world_size())
+    full = full_tensors(p, seed)
+    names = [e.name for e in p.entries]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems = []
+    ours, ref = DBuffer.from_tensors(full, p), DBuffer.from_tensors(full, p)
+    group = dist.new_group(list(range(world)))
+    ours.set_reduce_scatter_group(group)
+    for step, async_op in enumerate((False, True)):
+        with record_collectives() as log:
+            _, r1 = _round(ours, names, rank, step, async_op)
+        _, r2 = _round(ref, names, rank, step, async_op)
+        if not torch.equal(r1, r2):
+            problems.append(f"round {step}: differs from the shard group's reduce-scatter")
+        used = {c.group_name for c in log if c.name == "reduce_scatter_single"}
+        if used != {group.group_name}:
+            problems.append(f"round {step}: reduce-scatter over {used}")
+    fewer = dist.new_group([0, 1])  # every rank calls new_group; ranks 0 and 1 are in it
+    if rank < 2:
+        try:
+            ours.set_reduce_scatter_group(fewer)
+            problems.append("a group over fewer ranks was accepted")
+        except ValueError as error:
+            if "are not the shard group's" not in str(error):
+                problems.append(str(error))
+    return problems
+
+
+def test_reduce_scatter_over_a_group_of_its_own(ranks) -> None:
+    for problems in ranks.run(3, _separate_group_case, 11):
+        assert problems == []

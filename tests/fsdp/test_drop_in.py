@@ -194,3 +194,64 @@ def test_share_comm_ctx_joins_pipeline_stages_as_on_fsdp2(ranks) -> None:
     ours = ranks.run(2, pipeline_stages_with, "fsdp", True)[0]
     assert ours["error"] == theirs["error"] == "Expects list of FSDPModules"
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
+
+
+def _separate_reduce_scatter(impl: str, mesh_shape: tuple[int, ...]) -> dict[str, Any]:
+    """FSDP2's experimental reduce-scatter knobs, as a user sets them, then training; with
+    fsdp, which groups each step's collectives ran over."""
+    from tests.dbuffer.collective_log import record_collectives
+
+    api = importlib.import_module(impl)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = ("rs_replicate", "rs_shard") if len(mesh_shape) == 2 else ("rs_world",)
+    mesh = device_mesh(*mesh_shape, names=names)
+    model = build_model()
+    for layer in model.layers:
+        api.fully_shard(layer, mesh=mesh)
+    api.fully_shard(model, mesh=mesh)
+    errors = []
+    for bad in (0, True):
+        try:
+            model.set_reduce_scatter_max_input_buffers(bad)
+        except (TypeError, ValueError) as error:
+            errors.append(f"{type(error).__name__}: {error}")
+    model.set_reduce_scatter_max_input_buffers(2)
+    model.set_separate_reduce_scatter_group()
+    model.set_separate_reduce_scatter_group()  # again: keeps the groups it made
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    per_rank = 12 // world
+    losses, logs = [], []
+    for step, tokens in enumerate(batches(RunSpec(steps=4))):
+        if step == 3:
+            model.set_separate_reduce_scatter_group(False)
+        mine = tokens[rank * per_rank:(rank + 1) * per_rank]
+        with record_collectives() as log:
+            loss = F.cross_entropy(model(mine[:, :-1]).reshape(-1, VOCAB),
+                                   mine[:, 1:].reshape(-1))
+            loss.backward()
+        logs.append({(c.name, c.group_name) for c in log
+                     if c.name in ("all_gather_single", "reduce_scatter_single")})
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        losses.append(float(loss) / world)
+    return {"losses": losses, "errors": errors, "logs": logs if impl == "fsdp" else None}
+
+
+@pytest.mark.parametrize("mesh_shape", [(3,), (2, 2)], ids=["w3", "hsdp2x2"])
+def test_separate_reduce_scatter_group_and_input_buffers_as_on_fsdp2(ranks, mesh_shape) -> None:
+    world = 1
+    for size in mesh_shape:
+        world *= size
+    ours = ranks.run(world, _separate_reduce_scatter, "fsdp", mesh_shape)
+    theirs = ranks.run(world, _separate_reduce_scatter, "torch.distributed.fsdp", mesh_shape)
+    for mine, fsdp2 in zip(ours, theirs):
+        assert mine["errors"] == fsdp2["errors"] and len(mine["errors"]) == 2, mine["errors"]
+        assert mine["losses"] == pytest.approx(fsdp2["losses"], rel=1e-5, abs=1e-6)
+        for step, calls in enumerate(mine["logs"]):
+            gathers = {g for name, g in calls if name == "all_gather_single"}
+            scatters = {g for name, g in calls if name == "reduce_scatter_single"}
+            assert len(gathers) == 1 and len(scatters) == 1, calls  # one group each
+            # a group of their own for the reduce-scatters, until switched back at step 3
+            assert (gathers == scatters) is (step == 3), (step, calls)

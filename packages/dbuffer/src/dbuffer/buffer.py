@@ -187,6 +187,7 @@ class DBuffer:
                                               hint="call stash_grad() first")
         self._all_gather_comm: AllGatherComm | None = None
         self._reduce_scatter_comm: ReduceScatterComm | None = None
+        self._separate_reduce_scatter_group: dist.ProcessGroup | None = None
         self._views: dict[tuple[str, str], torch.Tensor] = {}
         self._dtensors: dict[tuple[str, str], DTensor] = {}
         # The last gradient fold_grad took per tensor (object and version), so the
@@ -471,6 +472,33 @@ class DBuffer:
         """
         check_comm(comm, "set_custom_reduce_scatter")
         self._reduce_scatter_comm = comm
+
+    def set_reduce_scatter_group(self, group: dist.ProcessGroup | None) -> None:
+        """Run the reduce-scatter over ``group``, a process group of its own over the shard
+        group's ranks, ``None`` to share the all-gather's again: with one communicator the
+        backend runs one collective at a time, with two a reduce-scatter can progress while
+        an all-gather runs (FSDP2's ``set_separate_reduce_scatter_group``).
+
+        Args:
+            group: a process group over exactly the shard group's ranks, in order, or
+                ``None``.
+
+        Raises:
+            ValueError: when ``group``'s ranks are not the shard group's.
+        """
+        if group is not None:
+            ranks = dist.get_process_group_ranks(group)
+            shard_ranks = dist.get_process_group_ranks(self.topology.shard_group)
+            if ranks != shard_ranks:
+                raise ValueError(f"set_reduce_scatter_group: the group's ranks {ranks} are not "
+                                 f"the shard group's {shard_ranks}")
+        self._separate_reduce_scatter_group = group
+
+    @property
+    def separate_reduce_scatter_group(self) -> dist.ProcessGroup | None:
+        """The reduce-scatter's own process group (:meth:`set_reduce_scatter_group`), or
+        ``None`` when it shares the all-gather's shard group."""
+        return self._separate_reduce_scatter_group
 
     def _new(self, comm: AllGatherComm | ReduceScatterComm | None, numel: int,
              dtype: torch.dtype, what: str) -> Callable[[], torch.Tensor] | None:
@@ -826,8 +854,8 @@ class DBuffer:
         # The collective may use the input as scratch unless it is the gradient buffer the
         # caller keeps.
         consume = free_grad or full is not grad.tensor
-        work = reduce_scatter_into(out, full, self.topology.shard_group, async_op, comm,
-                                   consume=consume)
+        group = self._separate_reduce_scatter_group or self.topology.shard_group
+        work = reduce_scatter_into(out, full, group, async_op, comm, consume=consume)
 
         def finish() -> None:
             with scope("dbuffer::reduce_scatter_finish"):
@@ -861,7 +889,7 @@ class DBuffer:
                     self.free_grad()
 
         if async_op:
-            guard = collective_guard("reduce_scatter", self.topology.shard_group)
+            guard = collective_guard("reduce_scatter", group)
             return CollectiveHandle(work, guard, finish)
         finish()
         return None

@@ -681,15 +681,42 @@ class FSDPModule:
         """
         self._get_fsdp_state().ctx.post_optim_event = event
 
-    def set_reduce_scatter_max_input_buffers(self, max_buffers: int) -> None:
-        """Not supported: fsdp keeps exactly one reduce-scatter in flight."""
-        raise NotImplementedError("set_reduce_scatter_max_input_buffers: fsdp keeps one "
-                                  "reduce-scatter in flight; its input is the DBuffer itself")
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
+                                             recurse: bool = True) -> None:
+        """FSDP2's cap on reduce-scatter input buffers in flight (checked with FSDP2's
+        rules), which changes nothing in fsdp: FSDP2 copies each group's gradients into a
+        shared input buffer (``chunk_cat``) whose recycling can stall the next copy-in;
+        fsdp's reduce-scatter reads each DBuffer's own gradient memory, so there is no shared
+        buffer to recycle and no stall for more buffers to remove.
 
-    def set_separate_reduce_scatter_group(self, *args: Any, **kwargs: Any) -> None:
-        """Not supported: a DBuffer reduces over the group it gathers over."""
-        raise NotImplementedError("set_separate_reduce_scatter_group: a DBuffer reduces over "
-                                  "the process group of its mesh")
+        Args:
+            max_input_buffers: a positive int (FSDP2's default is 1).
+            recurse: accepted for FSDP2's signature.
+
+        Raises:
+            TypeError: for a non-int (a bool included), as FSDP2.
+            ValueError: for a value below 1, as FSDP2.
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got "
+                            f"{type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *,
+                                          recurse: bool = True) -> None:
+        """Give the reduce-scatters their own process group over each buffer's shard ranks
+        (one per distinct rank set, shared by the buffers over it), so that a reduce-scatter
+        can progress while an all-gather runs, as FSDP2 does; ``False`` shares the all-gather's
+        group again. Collective over each shard rank set: call it on every rank alike.
+
+        Args:
+            enable: whether to.
+            recurse: also for every sharded submodule (FSDP2's default).
+        """
+        created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for group in self._groups(recurse):
+            group.separate_reduce_scatter_group(enable, created)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Not supported as a switch: a custom comm whose ``allocate`` takes the backend's

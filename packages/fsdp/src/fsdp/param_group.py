@@ -825,11 +825,28 @@ class FSDPParamGroup:
         self.buffers[index] = target
         target.set_custom_all_gather(self.config.all_gather_comm)
         target.set_custom_reduce_scatter(self.config.reduce_scatter_comm)
+        target.set_reduce_scatter_group(old.separate_reduce_scatter_group)
         self._uninitialised.pop(id(old), None)  # the caller writes every parameter's values
         for p in list(self._params_of(old)):
             torch.utils.swap_tensors(p.sharded, p.sharded_on(target))
             p.rebind(target)
         return target
+
+    def separate_reduce_scatter_group(self, enable: bool,
+                                      created: dict[tuple[int, ...], dist.ProcessGroup]) -> None:
+        """Give each buffer's reduce-scatter a process group of its own over its shard ranks
+        (``created``: the groups made so far by this call, by rank set; a buffer that has one
+        keeps it), or, without ``enable``, the all-gather's group again."""
+        for buffer in self.buffers:
+            if not enable:
+                buffer.set_reduce_scatter_group(None)
+                continue
+            ranks = tuple(dist.get_process_group_ranks(buffer.topology.shard_group))
+            if ranks not in created:
+                created[ranks] = buffer.separate_reduce_scatter_group or dist.new_group(
+                    list(ranks), use_local_synchronization=True,
+                    group_desc="fsdp_reduce_scatter")
+            buffer.set_reduce_scatter_group(created[ranks])
 
     def reset_iter_state(self) -> None:
         """Forget a failed iteration: finish in-flight collectives, drop the failed
