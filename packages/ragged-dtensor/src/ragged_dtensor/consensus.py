@@ -15,6 +15,7 @@ after another before any rank raises it.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,28 @@ def _rebuild(exc_type: type[BaseException], message: str) -> BaseException:
         return RuntimeError(message)
 
 
+_FAILURES = "_ragged_dtensor_failures"
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """One failing rank's error, as a consensus error lists it."""
+
+    rank: int  # the global rank
+    exc_type: type[BaseException]
+    text: str
+
+
+def _failures(error: BaseException) -> list[_Failure]:
+    """What this rank contributes to a consensus: its own error, or, for an error that is
+    itself a consensus error (a rank relaying what an earlier group told it), the failures
+    that one lists, so that a relay is not reported as one more failing rank."""
+    relayed = getattr(error, _FAILURES, None)
+    if relayed is not None:
+        return list(relayed)
+    return [_Failure(dist.get_rank(), type(error), f"{type(error).__name__}: {error}")]
+
+
 def _code(value: str | None) -> int:
     """``value`` as a non-negative 63-bit integer (0 for ``None``), to compare in an int64."""
     if value is None:
@@ -52,7 +75,8 @@ def raise_on_any_rank(error: BaseException | None, group: dist.ProcessGroup | No
     Every rank of ``group`` must call this at the same point. The raised exception has the
     type of the lowest failing rank's error and a message naming every failing rank with its
     message, so all ranks fail the same way; on a failing rank the original error is chained
-    as ``__cause__``.
+    as ``__cause__``. A consensus error passed in again (a rank relaying what an earlier
+    group told it) counts as the failures it lists, not as one more failing rank.
 
     With ``agree_on``, the same collective also checks that every rank passed the same
     string (e.g. a fingerprint of a plan the ranks must share): one all-reduce of
@@ -79,8 +103,8 @@ def raise_on_any_rank(error: BaseException | None, group: dist.ProcessGroup | No
             raise error
         return
     world = dist.get_world_size(group)
-    mine = None if error is None else (type(error), f"{type(error).__name__}: {error}")
-    gathered: list[tuple[tuple[type[BaseException], str] | None, str | None]] = [(mine, agree_on)]
+    mine = None if error is None else _failures(error)
+    gathered: list[tuple[list[_Failure] | None, str | None]] = [(mine, agree_on)]
     if world > 1:
         code = _code(agree_on)
         flags = torch.tensor([int(error is not None), code, -code], dtype=torch.int64,
@@ -99,14 +123,16 @@ def raise_on_any_rank(error: BaseException | None, group: dist.ProcessGroup | No
     def global_rank(rank: int) -> int:
         return dist.get_global_rank(group, rank) if group is not None else rank
 
-    failed = [(rank, item) for rank, (item, _) in enumerate(gathered) if item is not None]
+    failed = sorted({f.rank: f for item, _ in gathered if item is not None for f in item}.values(),
+                    key=lambda f: f.rank)
     if not failed:
         listing = "; ".join(f"rank {global_rank(rank)}: {value}"
                             for rank, (_, value) in enumerate(gathered))
         raise ValueError(f"values that must agree differ across ranks ({listing})")
-    exc_type = failed[0][1][0]
-    message = "; ".join(f"rank {global_rank(rank)}: {text}" for rank, (_, text) in failed)
-    raise _rebuild(exc_type, f"error on {len(failed)} rank(s): {message}") from error
+    message = "; ".join(f"rank {f.rank}: {f.text}" for f in failed)
+    consensus = _rebuild(failed[0].exc_type, f"error on {len(failed)} rank(s): {message}")
+    setattr(consensus, _FAILURES, failed)
+    raise consensus from error
 
 
 def raise_on_any_rank_along(error: BaseException | None,
@@ -118,9 +144,8 @@ def raise_on_any_rank_along(error: BaseException | None,
     would leave the ranks of other rows waiting in the second dim's collective for ranks that
     had raised.
 
-    One small all-reduce per group when all is well, as :func:`raise_on_any_rank`. A rank
-    that only relays an error raises the consensus error it received, which names the
-    failing rank and its message.
+    One small all-reduce per group when all is well, as :func:`raise_on_any_rank`. Every
+    rank raises an error naming the ranks that failed, not the ones that relayed.
 
     Args:
         error: this rank's error, or ``None``.
