@@ -759,18 +759,21 @@ class FSDPParamGroup:
             for _, handle in pending:
                 handle.wait()
         reduced = {id(buffer) for buffer, _ in pending}
+        partial = {id(buffer) for buffer, _ in pending if self._partial(buffer)}
         reduce_unused = self.config.reduce_scatter_unused_params
         for p in self.params:
             if not p.trainable or id(p.buffer) not in reduced:
                 continue
-            if self._partial(p.buffer):  # the sums wait for the replicas' all-reduce: no .grad
+            if id(p.buffer) in partial:  # the sums wait for the replicas' all-reduce: no .grad
                 if p.got_grad:
                     self._partial_grads.add(p.name)
             elif p.got_grad or reduce_unused or p.name in self._partial_grads:
                 p.take_sharded_grad(p.sharded_grad())
             p.release_grad(reduced=True)
-        self._partial_grads.difference_update(p.name for p in self.params if id(p.buffer) in reduced
-                                              and not self._partial(p.buffer))
+        if self._partial_grads:
+            self._partial_grads.difference_update(
+                p.name for p in self.params
+                if id(p.buffer) in reduced and id(p.buffer) not in partial)
         for buffer, _ in pending:
             buffer.free_grad()
             buffer.free_sharded_grad()
