@@ -1,5 +1,6 @@
 """``fully_shard(..., dp_mesh_dims=...)`` (torch 2.13's full SPMD mesh) on 4 gloo ranks:
-FSDP + TP, HSDP, and several dims flattened into one shard dim (with and without TP).
+FSDP + TP, HSDP, several dims flattened into one shard dim (with and without TP), and
+replicate-only (DDP: alone, and with TP).
 
 The model is laid out on the whole mesh by hand (every parameter a DTensor on it,
 ``Replicate()`` on the data-parallel dims), each dp rank's batch a ``Shard(0)`` DTensor, and
@@ -131,7 +132,10 @@ def _train_case(impl: str, shape: tuple[int, ...], names: tuple[str, ...], dims:
     # without a TP dim after them
     ((2, 2), ("flat_shard", "flat_cp"), {"shard": ("flat_shard", "flat_cp")}),
     ((2, 1, 2), ("flat3_shard", "flat3_cp", "flat3_model"), {"shard": ("flat3_shard", "flat3_cp")}),
-], ids=["fsdp-tp", "hsdp", "flattened", "flattened-tp"])
+    # replicate-only (DDP): alone, and beside a TP dim
+    ((4,), ("ddp_only",), {"replicate": "ddp_only"}),
+    ((2, 2), ("ddp_batch", "ddp_model"), {"replicate": "ddp_batch"}),
+], ids=["fsdp-tp", "hsdp", "flattened", "flattened-tp", "ddp", "ddp-tp"])
 @pytest.mark.parametrize("sharded_data", [True, False], ids=["sharded-data", "replicated-data"])
 def test_spmd_mesh_trains_like_fsdp2(ranks, shape, names, dims, sharded_data) -> None:
     ours = _train_like_fsdp2(ranks, 4, (shape, names, dims, sharded_data))
@@ -161,10 +165,17 @@ def _train_like_fsdp2(ranks, world_size: int, args: tuple) -> list[dict]:
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
         # the module saw its parameter as the DTensor on the full mesh it was
         assert r["forward_param"] == t["forward_param"]
-        # on FSDP2's mesh: the SPMD mesh itself, or the flattened dims followed by the others
+        # on FSDP2's mesh: the SPMD mesh itself, or the flattened dims followed by the others;
+        # replicate-only (DDP), with fsdp's shard dim of one rank after the replicate dim
         for name, (placements, dim_names) in r["placements"].items():
             assert "RaggedShard" in placements, (name, placements)
-            assert dim_names == t["placements"][name][1], (name, dim_names)
+            expected = t["placements"][name][1]
+            if "shard" not in args[2]:
+                expected = (expected[0], f"{expected[0]}_shard", *expected[1:])
+            assert dim_names == expected, (name, dim_names, expected)
+        # each rank holds whole TP-local parameters in DDP, as FSDP2's ranks do
+        if "shard" not in args[2]:
+            assert r["local_numel"] == t["local_numel"], (r["local_numel"], t["local_numel"])
     return ours
 
 
@@ -192,12 +203,14 @@ def _bad_input_case(impl: str, case: str) -> str:
     elif case == "flattened replicate":  # refused from the names alone
         kwargs["mesh"] = device_mesh(2, 2, 1, names=("fr_a", "fr_b", "fr_s"))
         kwargs["dp_mesh_dims"] = DataParallelMeshDims(shard="fr_s", replicate=("fr_a", "fr_b"))
+    elif case == "flattened replicate only":
+        kwargs["mesh"] = device_mesh(2, 2, names=("fro_a", "fro_b"))
+        kwargs["dp_mesh_dims"] = DataParallelMeshDims(replicate=("fro_a", "fro_b"))
     else:
         _distribute(model, mesh, 1)
         kwargs["dp_mesh_dims"] = {
             "unknown name": DataParallelMeshDims(shard="cp"),
             "not leading": DataParallelMeshDims(shard="tp"),
-            "replicate only": DataParallelMeshDims(replicate="dp"),
             "int reshard": DataParallelMeshDims(shard="dp"),
             "not the type": {"shard": "dp"},
         }[case]
@@ -217,8 +230,8 @@ def _bad_input_case(impl: str, case: str) -> str:
                                     "'w_in'"),
     ("unknown name", "ValueError", "Mesh dim name 'cp' not found"),
     ("not leading", "NotImplementedError", "not the leading dims"),
-    ("replicate only", "NotImplementedError", "replicates without sharding"),
-    ("flattened replicate", "NotImplementedError", "several replicate dims beside one shard dim"),
+    ("flattened replicate", "NotImplementedError", "several replicate dims beside at most one"),
+    ("flattened replicate only", "NotImplementedError", "several replicate dims beside at most"),
     ("int reshard", "NotImplementedError", "reshard_after_forward as int"),
     ("not the type", "TypeError", "dp_mesh_dims must be a DataParallelMeshDims"),
 ])

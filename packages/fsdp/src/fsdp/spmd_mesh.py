@@ -19,15 +19,22 @@ flattened into one dim, and several replicate names beside them too, as FSDP2 fl
 them: fsdp shards over the flattened dim, and the sharded parameter lives on FSDP2's mesh,
 the flattened dims followed by the others (HSDP: ``(Replicate(), RaggedShard, *rest)``).
 
+Replicate-only (DDP, ``DataParallelMeshDims(replicate=...)``) is HSDP with a shard dim of
+one rank, unflattened from the replicate dim: every rank holds whole parameters and the
+gradients are all-reduced over the replicas, as in FSDP2. The sharded parameters then have
+one dim more than FSDP2's (placements ``(Replicate(), RaggedShard, *rest)`` on
+``(replicate, <replicate>_shard, *rest)``, the ragged shard over one rank holding all of
+it).
+
 What fsdp does not take (``NotImplementedError``, on every rank): data-parallel dims that
 are not the mesh's leading dims in the order (replicate, shard), several replicate names
-beside one shard name (FSDP2 keeps those dims apart on the SPMD mesh, fsdp's HSDP has one
-replicate dim), a replicate-only (DDP) ``dp_mesh_dims``, and an int
-``reshard_after_forward`` (FSDP2 refuses that one too).
+beside one shard name or none (FSDP2 keeps those dims apart on the SPMD mesh, fsdp's HSDP
+has one replicate dim), and an int ``reshard_after_forward`` (FSDP2 refuses that one too).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -79,10 +86,6 @@ def resolve(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims,
     for name in (*shard, *replicate):
         if name not in names:
             raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
-    if not shard:
-        raise NotImplementedError(
-            f"fully_shard: dp_mesh_dims={dp_mesh_dims} replicates without sharding (DDP); "
-            "fsdp shards: name a shard dim")
     dp_names = (*replicate, *shard)
     if names[:len(dp_names)] != dp_names:
         raise NotImplementedError(
@@ -92,11 +95,13 @@ def resolve(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims,
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError("reshard_after_forward as int is not yet supported with SPMD "
                                   "mesh (dp_mesh_dims)")
-    if len(shard) == 1 and len(replicate) > 1:
+    if len(shard) <= 1 and len(replicate) > 1:
         raise NotImplementedError(
-            f"fully_shard: dp_mesh_dims={dp_mesh_dims} names several replicate dims beside one "
-            "shard dim; fsdp replicates over one dim there (name one replicate dim, or "
-            "several shard dims, which are flattened)")
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims} names several replicate dims beside at "
+            "most one shard dim; FSDP2 keeps them apart on the SPMD mesh where fsdp replicates "
+            "over one dim (name one replicate dim, or several shard dims, which are flattened)")
+    if not shard:
+        return _replicate_only(mesh, replicate)
     if len(shard) == 1:
         return _submesh(mesh, dp_names), SPMDMesh(mesh, len(dp_names), mesh)
     parts = [_one_dim(mesh, role) for role in (replicate, shard) if role]
@@ -105,6 +110,27 @@ def resolve(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims,
     if rest:
         parts.append(_submesh(mesh, rest))
     return dp_mesh, SPMDMesh(mesh, len(dp_names), joined(parts))
+
+
+def _replicate_only(mesh: DeviceMesh,
+                    replicate: tuple[str, ...]) -> tuple[DeviceMesh, SPMDMesh]:
+    """DDP (one ``replicate`` dim only): HSDP over the replicate dim and a shard dim of one
+    rank unflattened from it (named ``<replicate>_shard``), so that every rank holds whole
+    parameters and gradients are all-reduced over the replicas. The sharded parameters live
+    on those two dims and the mesh's other dims."""
+    dp_mesh = _with_shard_of_one(_submesh(mesh, replicate))
+    rest = (mesh.mesh_dim_names or ())[len(replicate):]
+    parts = [dp_mesh] + ([_submesh(mesh, rest)] if rest else [])
+    return dp_mesh, SPMDMesh(mesh, len(replicate), joined(parts))
+
+
+@functools.cache
+def _with_shard_of_one(replicas: DeviceMesh) -> DeviceMesh:
+    """``replicas`` (1-D) unflattened into ``(name, name_shard)`` of sizes ``(n, 1)``: made
+    once per mesh (unflattening creates process groups, a collective every rank runs in the
+    same order)."""
+    (name,) = replicas.mesh_dim_names or ("replicate",)
+    return replicas._unflatten(0, (replicas.size(), 1), (name, f"{name}_shard"))
 
 
 def _submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
