@@ -443,32 +443,34 @@ def test_shard_dim1_composes_with_tensor_parallelism_like_fsdp2(ranks):
         assert ours_err <= max(2 * torch_err, 1e-6), (ours_err, torch_err)
 
 
+def _error_of(fn: Any) -> str:
+    """``fn()``'s exception as ``"Type: message"``, or ``"no error"``."""
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the type is part of what is compared
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
 def _errors() -> dict[str, str]:
     import fsdp
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
-    def error_of(fn: Any) -> str:
-        try:
-            fn()
-        except Exception as error:  # noqa: BLE001 - the type is part of what is compared
-            return f"{type(error).__name__}: {error}"
-        return "no error"
-
     mesh = device_mesh(dist.get_world_size())
     out = {
-        "bad_dim": error_of(lambda: fsdp.fully_shard(nn.Linear(4, 4), mesh=mesh,
-                                                     shard_placement_fn=lambda p: Shard(1))),
-        "uneven": error_of(lambda: fsdp.fully_shard(nn.Linear(3, 4), mesh=mesh,
-                                                    shard_placement_fn=_dim1)),
+        "bad_dim": _error_of(lambda: fsdp.fully_shard(nn.Linear(4, 4), mesh=mesh,
+                                                      shard_placement_fn=lambda p: Shard(1))),
+        "uneven": _error_of(lambda: fsdp.fully_shard(nn.Linear(3, 4), mesh=mesh,
+                                                     shard_placement_fn=_dim1)),
     }
-    out["below_ndim"] = error_of(lambda: fsdp.fully_shard(
+    out["below_ndim"] = _error_of(lambda: fsdp.fully_shard(
         nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(-3) if p.ndim == 2 else None))
-    out["fp8"] = error_of(lambda: fsdp.fully_shard(
+    out["fp8"] = _error_of(lambda: fsdp.fully_shard(
         nn.Linear(32, 32), mesh=mesh, shard_placement_fn=_dim1,
         quantize_all_gather=fsdp.BlockwiseFP8(block=16, filter=lambda name, p: p.ndim == 2)))
     world = device_mesh(1, dist.get_world_size(), names=("dp", "tp"))
     tp = parallelize_module(nn.Sequential(nn.Linear(4, 4)), world["tp"], {"0": RowwiseParallel()})
-    out["tp"] = error_of(lambda: fsdp.fully_shard(tp, mesh=world["dp"], shard_placement_fn=_dim1))
+    out["tp"] = _error_of(lambda: fsdp.fully_shard(tp, mesh=world["dp"], shard_placement_fn=_dim1))
     return out
 
 
@@ -494,13 +496,6 @@ def _other_meshes() -> dict[str, str]:
                                                                   ShardPlacementResult)
     from torch.distributed.tensor import distribute_module
 
-    def error_of(fn: Any) -> str:
-        try:
-            fn()
-        except Exception as error:  # noqa: BLE001 - the type is part of what is compared
-            return f"{type(error).__name__}: {error}"
-        return "no error"
-
     def on(mesh_info: Any) -> Any:
         return lambda p: ShardPlacementResult(placement=None, mesh_info=mesh_info)
 
@@ -522,12 +517,12 @@ def _other_meshes() -> dict[str, str]:
     return {
         "expert_mesh": str(model.experts.w.device_mesh.mesh_dim_names),
         "dense_mesh": str(model.dense.weight.device_mesh.mesh_dim_names),
-        "shard_first": error_of(lambda: fsdp.fully_shard(
+        "shard_first": _error_of(lambda: fsdp.fully_shard(
             nn.Linear(4, 4), mesh=dp, shard_placement_fn=on(HSDPMeshInfo(hsdp, 0, 1)))),
-        "int_reshard": error_of(lambda: fsdp.fully_shard(
+        "int_reshard": _error_of(lambda: fsdp.fully_shard(
             nn.Linear(4, 4), mesh=dp, shard_placement_fn=on(experts_info),
             reshard_after_forward=2)),
-        "spmd": error_of(lambda: fsdp.fully_shard(
+        "spmd": _error_of(lambda: fsdp.fully_shard(
             nn.Linear(4, 4), mesh=dp, shard_placement_fn=on(experts_info),
             dp_mesh_dims=DataParallelMeshDims(shard="dp_other"))),
     }

@@ -70,6 +70,8 @@ def default_filter(name: str, param: nn.Parameter, modules: Collection[nn.Module
         Whether to quantize it.
     """
     del name
+    if not param.dtype.is_floating_point:  # integer and bool parameters are never quantized
+        return False
     if param.dim() == 3:
         return True
     return any(isinstance(m, nn.Linear) and m.weight is param for m in modules)
@@ -133,6 +135,11 @@ def quantized_units(config: BlockwiseFP8 | None, collected: list, units: dict[st
             take = default_filter(c.name, c.param, [m for m, _ in c.slots])
         if not take:
             continue
+        if not c.param.dtype.is_floating_point:
+            raise TypeError(
+                f"quantize_all_gather: the filter selected parameter {c.name!r} of dtype "
+                f"{c.param.dtype}; only floating-point weights are quantized (integer and bool "
+                "parameters are gathered as they are)")
         if c.param.dim() not in (2, 3):
             raise ValueError(
                 f"quantize_all_gather: the filter selected parameter {c.name!r} of shape "
