@@ -20,9 +20,10 @@ one process in the same test.
 * ``ShardPlacementResult`` (torch 2.13) on ``fully_shard``'s own mesh (1-D, and HSDP 2x2)
   trains like FSDP2 given the same results; one on another mesh (FSDP2's expert pattern:
   experts on an ``ep`` mesh, their results on an ``efsdp`` mesh, both unflattened from dp)
-  gives the parameter that mesh; a mesh fsdp cannot shard over, and per-parameter meshes
-  with an int ``reshard_after_forward`` or ``dp_mesh_dims``, raise ``NotImplementedError``
-  on every rank naming the parameter.
+  gives the parameter that mesh; a mesh fsdp cannot shard over and per-parameter meshes
+  with ``dp_mesh_dims`` raise ``NotImplementedError``, an int ``reshard_after_forward`` that
+  does not divide a parameter's mesh FSDP2's ``ValueError``, on every rank naming the
+  parameter.
 * Errors: a dim the tensor lacks (past either end), uneven chunks, ``Shard(d)`` along the dim
   tensor parallelism cuts and an FP8 all-gather of such a parameter raise on every rank
   (the first two with FSDP2's own words).
@@ -514,13 +515,14 @@ def _other_meshes() -> dict[str, str]:
     fsdp.fully_shard(model, mesh=dp, shard_placement_fn=lambda p: ShardPlacementResult(
         Shard(0), experts_info if p is model.experts.w else FSDPMeshInfo(dp, 0)))
     hsdp = device_mesh(2, 2, names=("r_other", "s_other"))
+    single = dp._unflatten(0, (4, 1), ("four_other", "one_other"))["one_other"]
     return {
         "expert_mesh": str(model.experts.w.device_mesh.mesh_dim_names),
         "dense_mesh": str(model.dense.weight.device_mesh.mesh_dim_names),
         "shard_first": _error_of(lambda: fsdp.fully_shard(
             nn.Linear(4, 4), mesh=dp, shard_placement_fn=on(HSDPMeshInfo(hsdp, 0, 1)))),
         "int_reshard": _error_of(lambda: fsdp.fully_shard(
-            nn.Linear(4, 4), mesh=dp, shard_placement_fn=on(experts_info),
+            nn.Linear(4, 4), mesh=dp, shard_placement_fn=on(FSDPMeshInfo(single, 0)),
             reshard_after_forward=2)),
         "spmd": _error_of(lambda: fsdp.fully_shard(
             nn.Linear(4, 4), mesh=dp, shard_placement_fn=on(experts_info),
@@ -536,6 +538,9 @@ def test_shard_placement_result_meshes_and_their_limits_on_every_rank(ranks):
         assert out["expert_mesh"] == "('efsdp', 'ep')" and out["dense_mesh"] == "('dp_other',)"
         assert out["shard_first"].startswith("NotImplementedError"), out
         assert "parameter 'weight'" in out["shard_first"] and "(shard dim 0, replicate dim 1)" in out["shard_first"]
+        assert out["spmd"].startswith("NotImplementedError"), out
+        # an int reshard_after_forward must divide every mesh's shard size: FSDP2's words
+        assert out["int_reshard"].startswith("ValueError"), out
+        assert "should be a factor of 1, not 2" in out["int_reshard"], out
         for key in ("int_reshard", "spmd"):
-            assert out[key].startswith("NotImplementedError"), out
             assert "parameter 'weight'" in out[key], out

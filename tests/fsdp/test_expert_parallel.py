@@ -9,7 +9,9 @@ Two ways to say it, both as FSDP2 takes them: the experts in a ``fully_shard`` g
 own over the dp mesh, or one group for the whole model whose ``shard_placement_fn`` returns a
 ``ShardPlacementResult`` on the dp mesh for the experts (torch 2.13's per-parameter meshes, the
 pattern of FSDP2's ``test_shard_placement_fn_tp_ep``): the group then holds buffers of both
-meshes. Also as that test does it with HSDP: the dense parameters over a 2 x 2
+meshes; with ``reshard_after_forward=2`` too, the dense buffers keeping pieces for 2-rank
+gathers and the experts' (over 2 ranks already) resharding fully. Also as that test does
+it with HSDP: the dense parameters over a 2 x 2
 ``(dp_replicate, dp_shard)`` mesh, ``dp_shard`` unflattened into ``(efsdp, ep)``, the experts
 over ``(dp_replicate, efsdp)`` (2 x 1).
 
@@ -85,7 +87,7 @@ def _shard(api: Any, model: nn.Module, pattern: str, world: int) -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.tensor import Shard
 
-    if pattern == "placement_result":
+    if pattern.startswith("placement_result") and not pattern.endswith("hsdp"):
         mesh = device_mesh(2, 2, names=("dp", "ep"))
         dense, ep, expert_mesh = device_mesh(world, names=("dp_ep",)), mesh["ep"], mesh["dp"]
     else:  # FSDP2's dp_replicate case: dp_shard unflattened into (efsdp, ep)
@@ -100,7 +102,11 @@ def _shard(api: Any, model: nn.Module, pattern: str, world: int) -> None:
             return ShardPlacementResult(Shard(0), _expert_mesh_info(expert_mesh))
         return None
 
-    api.fully_shard(model, mesh=dense, shard_placement_fn=placement)
+    # "_reshard2": after forward the dense buffers keep pieces for 2-rank gathers; the
+    # experts' buffers shard over 2 ranks already, so they reshard fully
+    reshard = 2 if pattern.endswith("reshard2") else None
+    api.fully_shard(model, mesh=dense, shard_placement_fn=placement,
+                    reshard_after_forward=reshard)
     # one divide factor for the group: all four ranks for the dense parameters and, as
     # above, for the experts
     model.set_gradient_divide_factor(float(world))
@@ -112,6 +118,11 @@ def _run(impl: str | None, pattern: str = "groups") -> dict[str, Any]:
     model = Model()
     if impl is not None:
         _shard(import_fsdp(impl), model, pattern, world)
+    # after each forward, which buffers hold pieces for a smaller group's gather (fsdp)
+    pieces: list[list[bool]] = []
+    if impl == "fsdp":
+        model.register_forward_hook(lambda *_: pieces.append(
+            [b.piece_numel > 0 for g in _groups(model) for b in g.buffers]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
@@ -135,7 +146,10 @@ def _run(impl: str | None, pattern: str = "groups") -> dict[str, Any]:
     # the meshes each fsdp group's buffers gather and reduce over
     meshes = ([sorted({b.topology.mesh.mesh_dim_names for b in g.buffers}) for g in _groups(model)]
               if impl == "fsdp" else None)
-    return {"losses": torch.stack(losses), "params": params, "held": held, "meshes": meshes}
+    return {"losses": torch.stack(losses), "params": params, "held": held, "meshes": meshes,
+            "pieces": pieces[-1] if pieces else None,
+            "piece_meshes": ([b.topology.mesh.mesh_dim_names for g in _groups(model)
+                              for b in g.buffers] if impl == "fsdp" else None)}
 
 
 def _case(pattern: str) -> dict[str, Any]:
@@ -149,11 +163,14 @@ def _case(pattern: str) -> dict[str, Any]:
                          for n in ref["params"]),
             "held": got["held"],
             "meshes": got["meshes"],
+            "pieces": got["pieces"],
+            "piece_meshes": got["piece_meshes"],
         }
     return out
 
 
-@pytest.mark.parametrize("pattern", ["groups", "placement_result", "placement_result_hsdp"])
+@pytest.mark.parametrize("pattern", ["groups", "placement_result", "placement_result_reshard2",
+                                     "placement_result_hsdp"])
 def test_experts_over_ep_and_fsdp_train_like_one_process(ranks, pattern: str) -> None:
     ranks_out = ranks.run(4, _case, pattern, timeout=300)
     for out in ranks_out:
@@ -170,9 +187,16 @@ def test_experts_over_ep_and_fsdp_train_like_one_process(ranks, pattern: str) ->
     # one group per mesh, or one group holding buffers of both
     expected = {"groups": [[("dp_ep",)], [("dp",)]],
                 "placement_result": [[("dp",), ("dp_ep",)]],
+                "placement_result_reshard2": [[("dp",), ("dp_ep",)]],
                 "placement_result_hsdp": [[("dp_replicate", "dp_shard"),
                                            ("dp_replicate", "efsdp")]]}[pattern]
     assert all(out["fsdp"]["meshes"] == expected for out in ranks_out), ranks_out[0]
+    # reshard_after_forward=2: the dense buffers (over all four ranks) keep pieces for a
+    # 2-rank gather, the experts' (over 2 ranks already) none
+    if pattern.endswith("reshard2"):
+        for out in ranks_out:
+            ours = out["fsdp"]
+            assert ours["pieces"] == [m == ("dp_ep",) for m in ours["piece_meshes"]], ours
     # each EP rank's 2 experts per stack are cut over the 2 dp ranks, whole experts only (HSDP:
     # one shard rank, which holds both)
     shard_groups = ((0,), (1,), (2,), (3,)) if pattern.endswith("hsdp") else ((0, 2), (1, 3))

@@ -222,7 +222,8 @@ def fully_shard(
         group.nested_groups = sum(1 for module in modules for m in module.modules()
                                   if m is not module and get_state(m) is not None)
         if not isinstance(reshard_after_forward, (bool, type(None))):
-            group.post_forward_group = post_forward.post_forward_group(mesh, reshard_after_forward)
+            group.post_forward_groups = post_forward.post_forward_groups(
+                [b.topology.mesh for b in group.buffers], reshard_after_forward)
         if quantized:
             group.quantizer = GroupQuantizer(quantize_all_gather.format, quantized)
     for managed in managed_modules(modules, lambda m: get_state(m) is not None):
@@ -246,9 +247,9 @@ fully_shard.state = get_state  # type: ignore[attr-defined]  # FSDP2's accessor 
 def _check_param_meshes(param_meshes: dict[str, DeviceMesh], mesh: DeviceMesh,
                         spmd: spmd_mesh.SPMDMesh | None,
                         reshard_after_forward: bool | int | None) -> None:
-    """Refuse what per-parameter meshes (``ShardPlacementResult``) do not compose with: the
-    full SPMD mesh (its parameters already name their mesh), and an int
-    ``reshard_after_forward`` (one post-forward group per fsdp group)."""
+    """Check per-parameter meshes (``ShardPlacementResult``): refused with the full SPMD
+    mesh (its parameters already name their mesh); an int ``reshard_after_forward`` must
+    divide each mesh's shard dimension, as fully_shard's (FSDP2's rule and words)."""
     other = next((name for name, m in param_meshes.items() if m != mesh), None)
     if other is None:
         return
@@ -258,10 +259,13 @@ def _check_param_meshes(param_meshes: dict[str, DeviceMesh], mesh: DeviceMesh,
             f"({param_meshes[other]}) together with dp_mesh_dims; shard it in a group of its "
             "own")
     if not isinstance(reshard_after_forward, (bool, type(None))):
-        raise NotImplementedError(
-            f"fully_shard: reshard_after_forward={reshard_after_forward} with parameters on "
-            f"several meshes (parameter {other!r} on {param_meshes[other]}): pass a bool, or "
-            "shard them in groups of their own")
+        for name, m in param_meshes.items():
+            size = m.size(m.ndim - 1)
+            if size % reshard_after_forward:
+                raise ValueError(
+                    "If passing reshard_after_forward as an int, it should be a factor of "
+                    f"{size}, not {reshard_after_forward} (the shard size of parameter "
+                    f"{name!r}'s mesh {m})")
 
 
 def _tp_meshes(modules: tuple[nn.Module, ...],

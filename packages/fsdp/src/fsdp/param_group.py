@@ -213,7 +213,9 @@ class FSDPParamGroup:
         self._gathered_versions: list[int] = []
         self.quantizer: GroupQuantizer | None = None  # FP8 all-gather (fsdp.fp8)
         # The k-rank group of an int reshard_after_forward (fsdp.post_forward).
-        self.post_forward_group: dist.ProcessGroup | None = None
+        # With an int reshard_after_forward: per buffer, the group it reshards to after
+        # forward (None: fully).
+        self.post_forward_groups: list[dist.ProcessGroup | None] | None = None
         self.post_forward_indices: list[int] = []
         self._uninitialised: dict[int, int] = {}
         # Parameters another group also manages (name -> that group's label): sharded again,
@@ -359,7 +361,7 @@ class FSDPParamGroup:
             after = self.config.reshard_after_forward
             if after is False:
                 return
-            if after is not True and self.post_forward_group is not None:
+            if after is not True and self.post_forward_groups is not None:
                 self._reshard_to_pieces()
                 return
         self.to_sharded()
@@ -368,10 +370,13 @@ class FSDPParamGroup:
         self.wait_for_unshard()
         if not self.is_unsharded:
             return
-        assert self.post_forward_group is not None
+        assert self.post_forward_groups is not None
         self._register_sharded()
-        for b in self.buffers:
-            b.reshard_to_group(self.post_forward_group)
+        for b, group in zip(self.buffers, self.post_forward_groups):
+            if group is None:
+                b.free_unsharded()
+            else:
+                b.reshard_to_group(group)
         self.is_unsharded = False
 
     @property

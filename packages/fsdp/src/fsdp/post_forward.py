@@ -50,6 +50,13 @@ def resolve(reshard_after_forward: bool | int | None, mesh: DeviceMesh) -> bool 
     return True if k == size else k
 
 
+def post_forward_groups(meshes: list[DeviceMesh], k: int) -> list[dist.ProcessGroup | None]:
+    """For each buffer's mesh, the group of ``k`` ranks its forward reshards to, or ``None``
+    where ``k`` is its whole shard dimension (a buffer of a parameter on a mesh of its own,
+    FSDP2's per-parameter meshes, may shard over fewer ranks): that buffer reshards fully."""
+    return [None if m.size(m.ndim - 1) == k else post_forward_group(m, k) for m in meshes]
+
+
 def post_forward_group(mesh: DeviceMesh, k: int) -> dist.ProcessGroup:
     """The group of ``k`` consecutive ranks of this rank's shard dimension that a forward
     reshards to (FSDP2's ``mesh.view(-1, k)``), created once per rank set.
