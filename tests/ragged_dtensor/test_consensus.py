@@ -135,3 +135,23 @@ def test_raise_on_any_rank_along_reaches_every_rank_of_a_mesh(ranks) -> None:
         assert out["along"] == "error on 1 rank(s): rank 1: CustomError: bad on 1", (rank, out)
     # one dim alone reaches only rank 1's row ({0, 1}): ranks 2 and 3 would go on
     assert [o["one_dim"] != "no error" for o in outs] == [True, True, False, False]
+
+
+def local_type_case() -> str:
+    """An exception class defined inside a function cannot be pickled: the failing rank sends
+    its nearest picklable base instead of failing in the collective alone (which left the
+    other ranks waiting)."""
+    class LocalError(ValueError):
+        pass
+
+    error = LocalError("bad on 2") if dist.get_rank() == 2 else None
+    try:
+        raise_on_any_rank(error)
+    except ValueError as caught:
+        return f"{type(caught).__name__}: {caught}"
+    return "no error"
+
+
+def test_an_unpicklable_error_type_raises_its_base_everywhere(ranks) -> None:
+    for message in ranks.run(3, local_type_case, timeout=60):
+        assert message == "ValueError: error on 1 rank(s): rank 2: LocalError: bad on 2", message

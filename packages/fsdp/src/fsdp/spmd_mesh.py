@@ -34,9 +34,9 @@ has one replicate dim), and an int ``reshard_after_forward`` (FSDP2 refuses that
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import DataParallelMeshDims
 
@@ -124,13 +124,22 @@ def _replicate_only(mesh: DeviceMesh,
     return dp_mesh, SPMDMesh(mesh, len(replicate), joined(parts))
 
 
-@functools.cache
+# Per default group and mesh: DeviceMesh equality ignores its process groups, so a mesh of a
+# re-initialised world (destroy_process_group, init_process_group) equals one of the old world.
+_SHARD_OF_ONE: dict[tuple[int, DeviceMesh], tuple[object, DeviceMesh]] = {}
+
+
 def _with_shard_of_one(replicas: DeviceMesh) -> DeviceMesh:
     """``replicas`` (1-D) unflattened into ``(name, name_shard)`` of sizes ``(n, 1)``: made
     once per mesh (unflattening creates process groups, a collective every rank runs in the
     same order)."""
-    (name,) = replicas.mesh_dim_names or ("replicate",)
-    return replicas._unflatten(0, (replicas.size(), 1), (name, f"{name}_shard"))
+    key = (id(dist.group.WORLD), replicas)
+    if key not in _SHARD_OF_ONE:
+        (name,) = replicas.mesh_dim_names or ("replicate",)
+        # the world kept alive with its mesh, so that its id is not reused
+        _SHARD_OF_ONE[key] = (dist.group.WORLD, replicas._unflatten(
+            0, (replicas.size(), 1), (name, f"{name}_shard")))
+    return _SHARD_OF_ONE[key][1]
 
 
 def _submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:

@@ -15,6 +15,7 @@ after another before any rank raises it.
 from __future__ import annotations
 
 import hashlib
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,20 @@ def _failures(error: BaseException) -> list[_Failure]:
     relayed = getattr(error, _FAILURES, None)
     if relayed is not None:
         return list(relayed)
-    return [_Failure(dist.get_rank(), type(error), f"{type(error).__name__}: {error}")]
+    return [_Failure(dist.get_rank(), _picklable(type(error)), f"{type(error).__name__}: {error}")]
+
+
+def _picklable(exc_type: type[BaseException]) -> type[BaseException]:
+    """``exc_type``, or its nearest base class that pickles: a class defined inside a function
+    cannot cross ``all_gather_object``, and a pickling error on the failing rank alone would
+    leave the other ranks waiting in that collective."""
+    for cls in exc_type.__mro__:
+        try:
+            pickle.dumps(cls)
+            return cls
+        except Exception:  # noqa: BLE001 - any failure to pickle
+            continue
+    return RuntimeError
 
 
 def _code(value: str | None) -> int:
