@@ -86,8 +86,9 @@ def fully_shard(
             equal chunks along ``d`` as FSDP2 does, with no copy: the parameter is stored
             dim-permuted in a buffer of its own, and its local shard, unsharded parameter
             and gradients are non-contiguous views (see :mod:`fsdp.dim_shard`). A
-            ``ShardPlacementResult`` (torch 2.13) is taken for its placement when its mesh
-            is ``mesh``; one on another mesh raises.
+            ``ShardPlacementResult`` (torch 2.13) gives the placement and the mesh: a
+            parameter on another mesh than ``mesh`` (FSDP2's per-parameter meshes, e.g.
+            experts over an ``efsdp`` mesh) lives in buffers of that mesh in this group.
         mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` (one fused cast per
             buffer before the all-gather), ``reduce_dtype``, ``output_dtype``,
             ``cast_forward_inputs``.
@@ -126,8 +127,9 @@ def fully_shard(
         NotImplementedError: for tensor-parallel (DTensor) parameters whose placements fsdp
             cannot compose with (a ``Shard(d)`` leaving a TP rank empty, ``Partial``; see
             :mod:`fsdp.tensor_parallel`), a ``shard_placement_fn`` result other than
-            ``Shard`` or a ``ShardPlacementResult`` on ``mesh``, uneven ``Shard(d > 0)`` chunks (FSDP2's), ``Shard(d > 0)`` along a
-            dim tensor parallelism already cuts or of an FP8-gathered parameter, or CPU
+            ``Shard`` or a ``ShardPlacementResult`` fsdp can shard over, uneven
+            ``Shard(d > 0)`` chunks (FSDP2's), ``Shard(d > 0)`` along a dim tensor
+            parallelism already cuts or of an FP8-gathered parameter, or CPU
             offload of a mesh that is not on CPU, or a ``dp_mesh_dims`` fsdp does not take
             (:mod:`fsdp.spmd_mesh`).
         TypeError: for a ``module``, ``mesh``, ``mp_policy``, ``unit_policy``,
