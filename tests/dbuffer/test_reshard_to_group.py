@@ -76,7 +76,10 @@ def _indivisible_case() -> str:
     p = plan([TensorSpec("w", 3, 1, (3,))], 3)
     buf = DBuffer.from_tensors({"w": torch.ones(3)}, p)
     buf.all_gather()
+    # every rank joins one group (rank 2 its own), so that each registers as many groups:
+    # torch names later local-synchronisation groups by that count
     pair = dist.new_group([0, 1])
+    dist.new_group([2])
     if dist.get_rank() == 2:
         return ""
     with pytest.raises(ValueError) as info:
