@@ -714,7 +714,10 @@ class FSDPModule:
         """Give the reduce-scatters their own process group over each buffer's shard ranks
         (one per distinct rank set, shared by the buffers over it), so that a reduce-scatter
         can progress while an all-gather runs, as FSDP2 does; ``False`` shares the all-gather's
-        group again. Collective over each shard rank set: call it on every rank alike.
+        group again. Collective over each shard rank set: call it on every rank alike. As in
+        FSDP2 the groups are made with local synchronisation, which torch names by each
+        rank's count of groups: every rank must hold as many groups by then (a group made on
+        some ranks only, ``new_group`` of a subset, breaks that and the call waits forever).
 
         Args:
             enable: whether to.
