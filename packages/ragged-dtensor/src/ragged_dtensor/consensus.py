@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from collections.abc import Sequence
 
 from ragged_dtensor.peer_failure import PeerFailureError, collective_guard
 
