@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from fsdp import post_forward, spmd_mesh
 from fsdp.dim_shard import shard_dims
 from fsdp.fp8 import BlockwiseFP8, GroupQuantizer, quantized_units, refuse_unsupported
-from fsdp.param_group import BACKWARD_PREFETCH_STARTS
+from fsdp.param_group import BACKWARD_PREFETCH_STARTS, is_replicated
 from fsdp.policies import UnitPolicy
 from fsdp.sharding import build_group, collect_params, managed_modules, resolve_units, signature
 from fsdp.state import FSDPState, get_state
@@ -666,8 +666,7 @@ class FSDPModule:
             ValueError: for a ``stream`` with HSDP (FSDP2's rule and words).
         """
         groups = self._get_fsdp_state().groups
-        if stream is not None and any(b.topology.replicate_group is not None
-                                      for g in groups for b in g.buffers):
+        if stream is not None and any(is_replicated(b) for g in groups for b in g.buffers):
             raise ValueError("stream cannot be set when using native HSDP")
         if stream is not None:
             hook = _in_stream(hook, stream)

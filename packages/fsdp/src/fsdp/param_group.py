@@ -568,7 +568,7 @@ class FSDPParamGroup:
     def _partial(self, buffer: DBuffer) -> bool:
         """Whether ``buffer``'s reduction stops at partial sums: HSDP with the replicas'
         all-reduce turned off (``set_requires_all_reduce(False)``)."""
-        return not self.config.all_reduce and _replicated(buffer)
+        return not self.config.all_reduce and is_replicated(buffer)
 
     def _is_tail(self, buffer: DBuffer) -> bool:
         return any(self.buffers[i] is buffer for i in self.tail_indices)
@@ -881,6 +881,6 @@ class FSDPParamGroup:
             buffer.free_sharded_grad()
 
 
-def _replicated(buffer: DBuffer) -> bool:
+def is_replicated(buffer: DBuffer) -> bool:
     """Whether ``buffer`` is HSDP's: its reduction ends with an all-reduce over replicas."""
     return buffer.topology.replicate_group is not None

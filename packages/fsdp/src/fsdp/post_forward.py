@@ -14,9 +14,8 @@ import warnings
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-# Per default group (a re-initialised world, or each thread of a threaded test world, gets its
-# own) and rank set: one group, since torch names a locally synchronised group by its ranks.
-_GROUPS: dict[tuple[int, tuple[int, ...]], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+from fsdp.per_world import once_per_world
+
 
 
 def resolve(reshard_after_forward: bool | int | None, mesh: DeviceMesh) -> bool | int | None:
@@ -69,8 +68,5 @@ def post_forward_group(mesh: DeviceMesh, k: int) -> dist.ProcessGroup:
     row = next(r for r in mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist() if rank in r)
     start = row.index(rank) // k * k
     ranks = tuple(row[start:start + k])
-    world = dist.group.WORLD
-    key = (id(world), ranks)
-    if key not in _GROUPS:
-        _GROUPS[key] = (world, dist.new_group(list(ranks), use_local_synchronization=True))
-    return _GROUPS[key][1]
+    return once_per_world(("post_forward", ranks), lambda: dist.new_group(
+        list(ranks), use_local_synchronization=True))

@@ -36,9 +36,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import DataParallelMeshDims
+
+from fsdp.per_world import once_per_world
 
 __all__ = ["DataParallelMeshDims", "SPMDMesh", "resolve"]
 
@@ -124,22 +125,13 @@ def _replicate_only(mesh: DeviceMesh,
     return dp_mesh, SPMDMesh(mesh, len(replicate), joined(parts))
 
 
-# Per default group and mesh: DeviceMesh equality ignores its process groups, so a mesh of a
-# re-initialised world (destroy_process_group, init_process_group) equals one of the old world.
-_SHARD_OF_ONE: dict[tuple[int, DeviceMesh], tuple[object, DeviceMesh]] = {}
-
-
 def _with_shard_of_one(replicas: DeviceMesh) -> DeviceMesh:
     """``replicas`` (1-D) unflattened into ``(name, name_shard)`` of sizes ``(n, 1)``: made
-    once per mesh (unflattening creates process groups, a collective every rank runs in the
-    same order)."""
-    key = (id(dist.group.WORLD), replicas)
-    if key not in _SHARD_OF_ONE:
-        (name,) = replicas.mesh_dim_names or ("replicate",)
-        # the world kept alive with its mesh, so that its id is not reused
-        _SHARD_OF_ONE[key] = (dist.group.WORLD, replicas._unflatten(
-            0, (replicas.size(), 1), (name, f"{name}_shard")))
-    return _SHARD_OF_ONE[key][1]
+    once per mesh and world (unflattening creates process groups, a collective every rank
+    runs in the same order)."""
+    (name,) = replicas.mesh_dim_names or ("replicate",)
+    return once_per_world(("shard_of_one", replicas), lambda: replicas._unflatten(
+        0, (replicas.size(), 1), (name, f"{name}_shard")))
 
 
 def _submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
