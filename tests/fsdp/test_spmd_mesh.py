@@ -145,6 +145,17 @@ def test_spmd_mesh_trains_like_fsdp2(ranks, shape, names, dims, sharded_data) ->
         assert all(0 in r["local_numel"].values() for r in ours), [r["local_numel"] for r in ours]
 
 
+@pytest.mark.parametrize("shape,names,dims", [
+    ((2, 1, 2), ("fr_a", "fr_b", "fr_s"), {"shard": "fr_s", "replicate": ("fr_a", "fr_b")}),
+    ((2, 2), ("fro_a", "fro_b"), {"replicate": ("fro_a", "fro_b")}),
+], ids=["hsdp", "ddp"])
+def test_several_replicate_dims_flattened_train_like_fsdp2(ranks, shape, names, dims) -> None:
+    """Several replicate names beside one shard name, and alone (DDP over both dims): fsdp
+    replicates over the flattened dim, FSDP2 keeps the dims apart on the SPMD mesh; the
+    values agree and fsdp's sharded parameters live on the flattened dims."""
+    _train_like_fsdp2(ranks, 4, (shape, names, dims, True))
+
+
 def test_flattened_shard_dims_then_tp_on_8_ranks_train_like_fsdp2(ranks) -> None:
     """Both flattened dims and the TP dim of size 2: the flattened dim's rank order and the
     TP cut meet (the 4-rank cases have one of them of size 1)."""
@@ -166,10 +177,15 @@ def _train_like_fsdp2(ranks, world_size: int, args: tuple) -> list[dict]:
         # the module saw its parameter as the DTensor on the full mesh it was
         assert r["forward_param"] == t["forward_param"]
         # on FSDP2's mesh: the SPMD mesh itself, or the flattened dims followed by the others;
+        # several replicate dims flattened into one, where FSDP2 keeps them apart;
         # replicate-only (DDP), with fsdp's shard dim of one rank after the replicate dim
+        replicate = args[2].get("replicate", ())
+        replicate = (replicate,) if isinstance(replicate, str) else replicate
         for name, (placements, dim_names) in r["placements"].items():
             assert "RaggedShard" in placements, (name, placements)
             expected = t["placements"][name][1]
+            if len(replicate) > 1 and expected[:len(replicate)] == replicate:
+                expected = ("_".join(replicate), *expected[len(replicate):])
             if "shard" not in args[2]:
                 expected = (expected[0], f"{expected[0]}_shard", *expected[1:])
             assert dim_names == expected, (name, dim_names, expected)
@@ -200,12 +216,6 @@ def _bad_input_case(impl: str, case: str) -> str:
         w = model[0].w_in
         model[0].w_in = nn.Parameter(distribute_tensor(w.full_tensor().detach(), mesh,
                                                          [Shard(0), Shard(0)]))
-    elif case == "flattened replicate":  # refused from the names alone
-        kwargs["mesh"] = device_mesh(2, 2, 1, names=("fr_a", "fr_b", "fr_s"))
-        kwargs["dp_mesh_dims"] = DataParallelMeshDims(shard="fr_s", replicate=("fr_a", "fr_b"))
-    elif case == "flattened replicate only":
-        kwargs["mesh"] = device_mesh(2, 2, names=("fro_a", "fro_b"))
-        kwargs["dp_mesh_dims"] = DataParallelMeshDims(replicate=("fro_a", "fro_b"))
     else:
         _distribute(model, mesh, 1)
         kwargs["dp_mesh_dims"] = {
@@ -230,8 +240,6 @@ def _bad_input_case(impl: str, case: str) -> str:
                                     "'w_in'"),
     ("unknown name", "ValueError", "Mesh dim name 'cp' not found"),
     ("not leading", "NotImplementedError", "not the leading dims"),
-    ("flattened replicate", "NotImplementedError", "several replicate dims beside at most one"),
-    ("flattened replicate only", "NotImplementedError", "several replicate dims beside at most"),
     ("int reshard", "NotImplementedError", "reshard_after_forward as int"),
     ("not the type", "TypeError", "dp_mesh_dims must be a DataParallelMeshDims"),
 ])

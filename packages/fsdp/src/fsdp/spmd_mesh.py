@@ -15,9 +15,14 @@ with no all-reduce before it, as in FSDP2. One accumulation (the gradients of a 
 between two reductions) holds one of the two: mixing them raises ``NotImplementedError``.
 
 Several shard names (``shard=("dp_shard", "cp")``, torchtitan's ``dp_shard_cp``) are
-flattened into one dim, and several replicate names beside them too, as FSDP2 flattens
-them: fsdp shards over the flattened dim, and the sharded parameter lives on FSDP2's mesh,
-the flattened dims followed by the others (HSDP: ``(Replicate(), RaggedShard, *rest)``).
+flattened into one dim, and several replicate names too, as FSDP2 flattens them for its
+collectives: fsdp shards over the flattened shard dim and replicates over the flattened
+replicate dim, and the sharded parameter lives on the flattened dims followed by the
+others (HSDP: ``(Replicate(), RaggedShard, *rest)``). That is FSDP2's mesh for several shard
+names; for several replicate names beside one shard name (or none) FSDP2 keeps the
+replicate dims apart on the SPMD mesh (``(Replicate(), Replicate(), Shard(0), *rest)``),
+fsdp's HSDP has one replicate dim: the values are the same, the sharded parameter's mesh
+differs.
 
 Replicate-only (DDP, ``DataParallelMeshDims(replicate=...)``) is HSDP with a shard dim of
 one rank, unflattened from the replicate dim: every rank holds whole parameters and the
@@ -27,9 +32,8 @@ one dim more than FSDP2's (placements ``(Replicate(), RaggedShard, *rest)`` on
 it).
 
 What fsdp does not take (``NotImplementedError``, on every rank): data-parallel dims that
-are not the mesh's leading dims in the order (replicate, shard), several replicate names
-beside one shard name or none (FSDP2 keeps those dims apart on the SPMD mesh, fsdp's HSDP
-has one replicate dim), and an int ``reshard_after_forward`` (FSDP2 refuses that one too).
+are not the mesh's leading dims in the order (replicate, shard), and an int
+``reshard_after_forward`` (FSDP2 refuses that one too).
 """
 
 from __future__ import annotations
@@ -96,14 +100,9 @@ def resolve(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims,
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError("reshard_after_forward as int is not yet supported with SPMD "
                                   "mesh (dp_mesh_dims)")
-    if len(shard) <= 1 and len(replicate) > 1:
-        raise NotImplementedError(
-            f"fully_shard: dp_mesh_dims={dp_mesh_dims} names several replicate dims beside at "
-            "most one shard dim; FSDP2 keeps them apart on the SPMD mesh where fsdp replicates "
-            "over one dim (name one replicate dim, or several shard dims, which are flattened)")
     if not shard:
         return _replicate_only(mesh, replicate)
-    if len(shard) == 1:
+    if len(shard) == 1 and len(replicate) <= 1:
         return _submesh(mesh, dp_names), SPMDMesh(mesh, len(dp_names), mesh)
     parts = [_one_dim(mesh, role) for role in (replicate, shard) if role]
     dp_mesh = joined(parts)
@@ -115,11 +114,11 @@ def resolve(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims,
 
 def _replicate_only(mesh: DeviceMesh,
                     replicate: tuple[str, ...]) -> tuple[DeviceMesh, SPMDMesh]:
-    """DDP (one ``replicate`` dim only): HSDP over the replicate dim and a shard dim of one
-    rank unflattened from it (named ``<replicate>_shard``), so that every rank holds whole
-    parameters and gradients are all-reduced over the replicas. The sharded parameters live
-    on those two dims and the mesh's other dims."""
-    dp_mesh = _with_shard_of_one(_submesh(mesh, replicate))
+    """DDP (``replicate`` dims only): HSDP over the replicate dim (several flattened into
+    one) and a shard dim of one rank unflattened from it (named ``<replicate>_shard``), so
+    that every rank holds whole parameters and gradients are all-reduced over the replicas.
+    The sharded parameters live on those two dims and the mesh's other dims."""
+    dp_mesh = _with_shard_of_one(_one_dim(mesh, replicate))
     rest = (mesh.mesh_dim_names or ())[len(replicate):]
     parts = [dp_mesh] + ([_submesh(mesh, rest)] if rest else [])
     return dp_mesh, SPMDMesh(mesh, len(replicate), joined(parts))
