@@ -423,8 +423,10 @@ class DBuffer:
         comm = self._all_gather_comm
         self._unsharded.allocate(self._new(comm, self.world_size * S, self.compute_dtype,
                                            self._unsharded.what))
-        keep_version = torch.autograd._unsafe_preserve_version_counter(self._unsharded.tensor)
-        with scope("dbuffer::all_gather"), self._unsharded.writing() as out:
+        out = self._unsharded.tensor
+        # Restored when the issue returns and again at the handle's wait (see FlatBuffer.writing).
+        keep_version = torch.autograd._unsafe_preserve_version_counter(out)
+        with scope("dbuffer::all_gather"), torch.no_grad(), keep_version:
             if piece is not None:
                 shard = piece.tensor
             elif self.compute_dtype == self.dtype:

@@ -143,7 +143,7 @@ def allocate(comm: AllGatherComm | ReduceScatterComm | None, numel: int, dtype: 
 
 
 def _is_single(group: dist.ProcessGroup) -> bool:
-    return dist.get_world_size(group) == 1
+    return group.size() == 1
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ stand for.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -42,12 +43,17 @@ def serves(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
     """Whether these collectives should run on ``tensor`` (the unsharded side: the gather's
     output, the reduction's input): a CPU tensor on a group whose backend for CPU is gloo,
     with slices of at least :data:`MIN_SLICE_BYTES` per rank."""
-    if tensor.device.type != "cpu":
-        return False
+    return (tensor.device.type == "cpu" and _gloo_on_cpu(group)
+            and tensor.nbytes // group.size() >= MIN_SLICE_BYTES)
+
+
+@functools.cache
+def _gloo_on_cpu(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` runs CPU collectives on gloo; asked before every collective and
+    fixed for the group's life, so asked of torch once (its answer costs several
+    microseconds of Python)."""
     backend = dist.get_backend(group)
-    if backend != "gloo" and "cpu:gloo" not in backend:
-        return False
-    return tensor.nbytes // dist.get_world_size(group) >= MIN_SLICE_BYTES
+    return backend == "gloo" or "cpu:gloo" in backend
 
 
 class Works:

@@ -233,9 +233,10 @@ class ManagedParam:
     def release_grad(self, *, reduced: bool) -> None:
         """Drop ``.grad`` (the buffer's memory is about to be freed); after a reduction also
         forget that a gradient arrived."""
-        if self.unsharded is not None and self.unsharded.grad is not None:
+        if self.unsharded is not None:
             with metadata_access():  # the unsharded parameter may be fenced (resharded)
-                self.unsharded.grad = None
+                if self.unsharded.grad is not None:
+                    self.unsharded.grad = None
         if reduced:
             self.got_grad = False
 
