@@ -195,6 +195,63 @@ def _train_like_fsdp2(ranks, world_size: int, args: tuple) -> list[dict]:
     return ours
 
 
+def _load_spmd_state_dict(shape: tuple[int, ...], names: tuple[str, ...], dims: dict) -> dict:
+    """Load into fsdp's sharded parameters: the model's state dict from before
+    ``fully_shard`` (DTensors on the SPMD mesh, values changed), then FSDP2's state dict of
+    the same layout (for DDP: DTensors on the SPMD mesh too)."""
+    import torch
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    import fsdp
+    from tests.harness import device_mesh
+
+    mesh = device_mesh(*shape, names=names)
+    dp_mesh_dims = DataParallelMeshDims(**dims)
+    dp_dims = len(dp_mesh_dims.shard_names) + len(dp_mesh_dims.replicate_names)
+    model, theirs = _model(), _model()
+    _distribute(model, mesh, dp_dims)
+    _distribute(theirs, mesh, dp_dims)
+    before = {k: v.detach() * 2 + 1 for k, v in model.state_dict().items()}
+    for block in model:
+        fsdp.fully_shard(block, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+    fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+    for block in theirs:
+        fsdp2_fully_shard(block, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+    fsdp2_fully_shard(theirs, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+    model.load_state_dict(before)
+    first = all(torch.equal(p.full_tensor(), before[n].full_tensor())
+                for n, p in model.named_parameters())
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.mul_(3)
+    fsdp2_state = theirs.state_dict()
+    model.load_state_dict(fsdp2_state)
+    second = all(torch.equal(p.full_tensor(), fsdp2_state[n].full_tensor())
+                 for n, p in model.named_parameters())
+    return {"before fully_shard": first, "FSDP2's": second,
+            "FSDP2's meshes": sorted({v.device_mesh.mesh_dim_names for v in fsdp2_state.values()})}
+
+
+@pytest.mark.parametrize("shape,names,dims,fsdp2_mesh", [
+    ((4,), ("sd_ddp",), {"replicate": "sd_ddp"}, ("sd_ddp",)),
+    ((2, 2), ("sd_ddp_a", "sd_ddp_b"), {"replicate": ("sd_ddp_a", "sd_ddp_b")},
+     ("sd_ddp_a", "sd_ddp_b")),
+    ((2, 1, 2), ("sd_r_a", "sd_r_b", "sd_s"), {"shard": "sd_s", "replicate": ("sd_r_a", "sd_r_b")},
+     ("sd_r_a", "sd_r_b", "sd_s")),
+    ((2, 2), ("sd_f_s", "sd_f_cp"), {"shard": ("sd_f_s", "sd_f_cp")}, ("sd_f_s_sd_f_cp",)),
+], ids=["ddp", "ddp-two-dims", "hsdp-two-replicate-dims", "flattened-shard"])
+def test_state_dicts_on_the_spmd_mesh_load(ranks, shape, names, dims, fsdp2_mesh) -> None:
+    """Where fsdp's sharded parameters live on another mesh than the SPMD mesh (DDP mode's
+    shard dim of one rank, flattened dims), ``load_state_dict`` of DTensors on the SPMD mesh
+    loads exactly: the model's own from before ``fully_shard``, and FSDP2's (on the SPMD mesh
+    for DDP and for two replicate dims, sharded there in the latter; on the flattened mesh,
+    as fsdp's, for several shard dims)."""
+    for out in ranks.run(4, _load_spmd_state_dict, shape, names, dims, timeout=TIMEOUT_S):
+        assert out["before fully_shard"] and out["FSDP2's"], out
+        assert out["FSDP2's meshes"] == [fsdp2_mesh], out
+
+
 def _bad_input_case(impl: str, case: str) -> str:
     import importlib
 

@@ -149,6 +149,11 @@ class ManagedParam:
         unless the gradient is placed unlike the parameter (an SPMD mesh's ``Partial``)."""
         return self._as_param_tensor(view)
 
+    def loadable(self, value: object) -> object:
+        """``value``, this parameter's entry in a state dict being loaded, as the sharded
+        parameter's ``copy_`` takes it (here: unchanged)."""
+        return value
+
     def _buffer_grad(self) -> torch.Tensor:
         """The ``.grad`` that accumulates in place into the gradient buffer."""
         return self._as_grad_tensor(self.buffer.grad_view(self.name))

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from dbuffer import AllGatherComm, CollectiveHandle, DBuffer, ReduceScatterComm, kernels, scope
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -225,7 +226,20 @@ class FSDPParamGroup:
         # its unsharded ones registered after forward), as FSDP2 ensures with the same hooks.
         for module in dict.fromkeys(m for p in params for m, _ in p.slots):
             module.register_state_dict_pre_hook(lambda *args, **kwargs: self.to_sharded())
-            module._register_load_state_dict_pre_hook(lambda *args, **kwargs: self.to_sharded())
+            module._register_load_state_dict_pre_hook(functools.partial(self._before_load, module))
+
+    def _before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                     *args: Any) -> None:
+        """``load_state_dict`` pre-hook of ``module``: register the sharded parameters and
+        make each of ``module``'s entries one their ``copy_`` takes
+        (:meth:`ManagedParam.loadable`; ``load_state_dict`` hands hooks its own copy of the
+        dict)."""
+        del args
+        self.to_sharded()
+        for slot_module, attr, p in self._slots:
+            key = prefix + attr
+            if slot_module is module and key in state_dict:
+                state_dict[key] = p.loadable(state_dict[key])
 
     # ------------------------------------------------------------------ unshard / reshard
     @property

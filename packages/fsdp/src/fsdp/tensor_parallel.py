@@ -308,6 +308,32 @@ class TPManagedParam(ManagedParam):
             f"must be a DTensor placed like the sharded parameter ({self.sharded.placements}); "
             "assign before fully_shard, or copy into the parameter instead")
 
+    def loadable(self, value: object) -> object:
+        """A DTensor on the parameter's own mesh (a state dict taken before ``fully_shard``,
+        or FSDP2's), as the same local tensor on the sharded parameter's mesh: DTensor's
+        ``copy_`` refuses two meshes, and the meshes differ where fsdp's dims are not the
+        parameter's (a TP mesh; DDP mode's shard dim of one rank; flattened dims).
+
+        A data-parallel dim the sharded mesh keeps (by name) keeps its placement; the others
+        must be ``Replicate()`` (else ``value`` is returned as it is, and ``copy_`` raises):
+        the local tensor then does not depend on them, and the coordinates on the kept dims
+        and the other dims are the same (the meshes are joined from one world's)."""
+        layout = self._layout
+        if (not isinstance(value, DTensor) or layout.param_mesh == layout.mesh
+                or value.device_mesh != layout.param_mesh):
+            return value
+        rest = tuple(value.placements[layout.dp_dims:])
+        ours = layout.mesh.mesh_dim_names or (None,) * layout.mesh.ndim
+        ours = ours[:layout.mesh.ndim - len(rest)]
+        theirs = dict(zip(layout.param_mesh.mesh_dim_names or (),
+                          value.placements[:layout.dp_dims]))
+        if any(name not in ours and not isinstance(placement, Replicate)
+               for name, placement in theirs.items()):
+            return value
+        placements = tuple(theirs.get(name, Replicate()) for name in ours) + rest
+        return DTensor.from_local(value._local_tensor, layout.mesh, placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+
     def sharded_on(self, buffer: DBuffer) -> nn.Parameter:
         """A new combined-mesh sharded parameter over ``buffer`` (after ``model.to(dtype)``)."""
         return sharded_parameter(buffer, self.name, self._layout, self.sharded.requires_grad)
