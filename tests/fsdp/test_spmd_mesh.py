@@ -148,7 +148,10 @@ def test_spmd_mesh_trains_like_fsdp2(ranks, shape, names, dims, sharded_data) ->
 @pytest.mark.parametrize("shape,names,dims", [
     ((2, 1, 2), ("fr_a", "fr_b", "fr_s"), {"shard": "fr_s", "replicate": ("fr_a", "fr_b")}),
     ((2, 2), ("fro_a", "fro_b"), {"replicate": ("fro_a", "fro_b")}),
-], ids=["hsdp", "ddp"])
+    ((1, 2, 1, 2), ("frt_a", "frt_b", "frt_s", "frt_tp"),
+     {"shard": "frt_s", "replicate": ("frt_a", "frt_b")}),
+    ((2, 1, 2), ("frd_a", "frd_b", "frd_tp"), {"replicate": ("frd_a", "frd_b")}),
+], ids=["hsdp", "ddp", "hsdp-tp", "ddp-tp"])
 def test_several_replicate_dims_flattened_train_like_fsdp2(ranks, shape, names, dims) -> None:
     """Several replicate names beside one shard name, and alone (DDP over both dims): fsdp
     replicates over the flattened dim, FSDP2 keeps the dims apart on the SPMD mesh; the
@@ -250,6 +253,34 @@ def test_state_dicts_on_the_spmd_mesh_load(ranks, shape, names, dims, fsdp2_mesh
     for out in ranks.run(4, _load_spmd_state_dict, shape, names, dims, timeout=TIMEOUT_S):
         assert out["before fully_shard"] and out["FSDP2's"], out
         assert out["FSDP2's meshes"] == [fsdp2_mesh], out
+
+
+def _load_sharded_over_a_flattened_dim() -> str:
+    """A state dict value ``Shard(0)`` over a replicate dim that fsdp flattens away."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import Replicate, Shard
+
+    import fsdp
+    from tests.harness import device_mesh
+
+    mesh = device_mesh(2, 1, 2, names=("sdx_a", "sdx_b", "sdx_s"))
+    model = _model()
+    _distribute(model, mesh, 3)
+    state = {k: v.detach().redistribute(mesh, [Shard(0), Replicate(), Replicate()])
+             for k, v in model.state_dict().items()}
+    dims = DataParallelMeshDims(shard="sdx_s", replicate=("sdx_a", "sdx_b"))
+    fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    try:
+        model.load_state_dict(state)
+    except ValueError as caught:
+        return str(caught)
+    return "no error"
+
+
+def test_a_state_dict_sharded_over_a_flattened_dim_raises_on_every_rank(ranks) -> None:
+    messages = ranks.run(4, _load_sharded_over_a_flattened_dim, timeout=TIMEOUT_S)
+    assert all("parameter '0.w_in'" in m and "S(0) on mesh dim 'sdx_a'" in m
+               for m in messages), messages
 
 
 def _bad_input_case(impl: str, case: str) -> str:

@@ -315,9 +315,14 @@ class TPManagedParam(ManagedParam):
         parameter's (a TP mesh; DDP mode's shard dim of one rank; flattened dims).
 
         A data-parallel dim the sharded mesh keeps (by name) keeps its placement; the others
-        must be ``Replicate()`` (else ``value`` is returned as it is, and ``copy_`` raises):
-        the local tensor then does not depend on them, and the coordinates on the kept dims
-        and the other dims are the same (the meshes are joined from one world's)."""
+        must be ``Replicate()``: the local tensor then does not depend on them, and the
+        coordinates on the kept dims and the other dims are the same (the meshes are joined
+        from one world's).
+
+        Raises:
+            ValueError: for a value sharded or partial over a dim fsdp flattened (the same on
+                every rank: placements are global).
+        """
         layout = self._layout
         if (not isinstance(value, DTensor) or layout.param_mesh == layout.mesh
                 or value.device_mesh != layout.param_mesh):
@@ -327,9 +332,15 @@ class TPManagedParam(ManagedParam):
         ours = ours[:layout.mesh.ndim - len(rest)]
         theirs = dict(zip(layout.param_mesh.mesh_dim_names or (),
                           value.placements[:layout.dp_dims]))
-        if any(name not in ours and not isinstance(placement, Replicate)
-               for name, placement in theirs.items()):
+        if len(theirs) != layout.dp_dims:  # unnamed dims cannot be matched: copy_ decides
             return value
+        for name, placement in theirs.items():
+            if name not in ours and not isinstance(placement, Replicate):
+                raise ValueError(
+                    f"parameter {self.name!r}: the state dict's value is {placement} on mesh "
+                    f"dim {name!r}, which fsdp's sharded parameter does not have (it flattens "
+                    f"it: {layout.mesh.mesh_dim_names}); load it Replicate() there, as a full "
+                    "state dict, or through DCP")
         placements = tuple(theirs.get(name, Replicate()) for name in ours) + rest
         return DTensor.from_local(value._local_tensor, layout.mesh, placements, run_check=False,
                                   shape=value.shape, stride=value.stride())
