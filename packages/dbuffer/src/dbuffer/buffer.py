@@ -62,7 +62,6 @@ def _check_plan_type(plan: object) -> None:
         raise TypeError(f"plan must be a layout_planner.Plan, got {type(plan).__name__}")
 
 
-
 def _requires_grad_error(requires_grad: object) -> TypeError | None:
     """A ``requires_grad`` that is not a collection of names (a bare string would otherwise be
     read as its characters), as an error to raise on every rank."""

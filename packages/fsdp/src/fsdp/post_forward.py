@@ -17,7 +17,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp.per_world import once_per_world
 
 
-
 def resolve(reshard_after_forward: bool | int | None, mesh: DeviceMesh) -> bool | int | None:
     """Check an int against the shard dimension and reduce ``1`` and the full size to the
     bools they mean (FSDP2's rules and error).
