@@ -96,8 +96,8 @@ def fully_shard(
             the mesh is on CPU (the identity there).
         ignored_params: parameters left alone (not sharded, not reduced).
         dp_mesh_dims: torch's ``DataParallelMeshDims``: ``mesh`` is then the full SPMD mesh,
-            every parameter a DTensor on it, ``Replicate()`` on the dims this names, which
-            must lead the mesh, ``replicate`` before ``shard`` (see :mod:`fsdp.spmd_mesh`).
+            every parameter a DTensor on it, ``Replicate()`` on the dims this names,
+            wherever they are on it (see :mod:`fsdp.spmd_mesh`).
         unit_policy: ``unit_policy(name, param) -> int``, the elements no rank boundary may
             cut (default: one row). Block optimizers give theirs, e.g.
             ``block_optim.Muon.unit_policy()``.
@@ -210,7 +210,7 @@ def fully_shard(
     groups = [(mesh.get_group(dim), agree_on) for dim in range(mesh.ndim)]
     if spmd is not None:
         groups = [(spmd.mesh.get_group(dim), None)
-                  for dim in range(spmd.dp_dims, spmd.mesh.ndim)] + groups
+                  for dim in range(spmd.mesh.ndim) if dim not in spmd.dp_indices] + groups
     else:
         groups = [(tp_mesh.get_group(dim), None) for tp_mesh in _tp_meshes(modules, ignored_params)
                   for dim in range(tp_mesh.ndim)] + groups

@@ -31,8 +31,14 @@ one dim more than FSDP2's (placements ``(Replicate(), RaggedShard, *rest)`` on
 ``(replicate, <replicate>_shard, *rest)``, the ragged shard over one rank holding all of
 it).
 
-What fsdp does not take (``NotImplementedError``, on every rank): data-parallel dims that
-are not the mesh's leading dims in the order (replicate, shard), and an int
+The data-parallel dims may be anywhere on the mesh (``("pp", "dp", "tp")``, ``("tp",
+"dp")``, ``("dp_shard", "dp_replicate")``). Where they are not its leading dims in the order
+(replicate, shard), the sharded parameters live on the data-parallel dims followed by the
+others in the mesh's order (``("dp", "pp", "tp")``), a mesh joined from the same world's
+ranks: the ragged cut then applies to the TP-local tensor, as on every other mesh fsdp
+builds. FSDP2 keeps its ``Shard(0)`` on the SPMD mesh's own dim; the values are the same.
+
+What fsdp does not take (``NotImplementedError``, on every rank): an int
 ``reshard_after_forward`` (FSDP2 refuses that one too).
 """
 
@@ -50,17 +56,18 @@ __all__ = ["DataParallelMeshDims", "SPMDMesh", "resolve"]
 
 @dataclass(frozen=True)
 class SPMDMesh:
-    """A full SPMD mesh and how many of its leading dims are fsdp's.
+    """A full SPMD mesh and which of its dims are fsdp's.
 
     Attributes:
         mesh: the mesh ``fully_shard`` was given (every parameter is a DTensor on it).
-        dp_dims: how many of its leading dims are data-parallel (replicate, then shard).
-        sharded_mesh: the sharded parameters' mesh: ``mesh`` itself, or where several dims
-            were flattened into one, the data-parallel mesh's dims followed by the others.
+        dp_indices: the indices of its data-parallel dims (replicate and shard), ascending.
+        sharded_mesh: the sharded parameters' mesh: ``mesh`` itself, or where dims were
+            flattened into one or the data-parallel dims do not lead in the order (replicate,
+            shard), the data-parallel mesh's dims followed by the others.
     """
 
     mesh: DeviceMesh
-    dp_dims: int
+    dp_indices: tuple[int, ...]
     sharded_mesh: DeviceMesh
 
 
@@ -78,7 +85,8 @@ def resolve(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims,
 
     Raises:
         TypeError: for a ``dp_mesh_dims`` that is not a ``DataParallelMeshDims``.
-        ValueError: for a mesh without dim names, or a name it lacks (FSDP2's words).
+        ValueError: for a mesh without dim names, or a name it lacks (FSDP2's words), or a
+            name given twice.
         NotImplementedError: for what the module docstring lists.
     """
     if not isinstance(dp_mesh_dims, DataParallelMeshDims):
@@ -92,36 +100,29 @@ def resolve(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims,
         if name not in names:
             raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
     dp_names = (*replicate, *shard)
-    if names[:len(dp_names)] != dp_names:
-        raise NotImplementedError(
-            f"fully_shard: dp_mesh_dims={dp_mesh_dims} names dims {dp_names} that are not the "
-            f"leading dims of the mesh {names} in the order (replicate, shard); fsdp needs "
-            "them first, as in init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+    twice = sorted({name for name in dp_names if dp_names.count(name) > 1})
+    if twice:
+        raise ValueError(f"fully_shard: dp_mesh_dims={dp_mesh_dims} names mesh dims {twice} "
+                         "more than once")
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError("reshard_after_forward as int is not yet supported with SPMD "
                                   "mesh (dp_mesh_dims)")
+    indices = tuple(i for i, name in enumerate(names) if name in dp_names)
+    rest = tuple(name for name in names if name not in dp_names)
     if not shard:
-        return _replicate_only(mesh, replicate)
-    if len(shard) == 1 and len(replicate) <= 1:
-        return _submesh(mesh, dp_names), SPMDMesh(mesh, len(dp_names), mesh)
-    parts = [_one_dim(mesh, role) for role in (replicate, shard) if role]
-    dp_mesh = joined(parts)
-    rest = names[len(dp_names):]
-    if rest:
-        parts.append(_submesh(mesh, rest))
-    return dp_mesh, SPMDMesh(mesh, len(dp_names), joined(parts))
+        # DDP: HSDP over the replicate dim with a shard dim of one rank, so that every rank
+        # holds whole parameters and the gradients are all-reduced over the replicas
+        dp_mesh = _with_shard_of_one(_one_dim(mesh, replicate))
+        return dp_mesh, SPMDMesh(mesh, indices, _followed_by(dp_mesh, mesh, rest))
+    if len(shard) == 1 and len(replicate) <= 1 and names[:len(dp_names)] == dp_names:
+        return _submesh(mesh, dp_names), SPMDMesh(mesh, indices, mesh)
+    dp_mesh = joined([_one_dim(mesh, role) for role in (replicate, shard) if role])
+    return dp_mesh, SPMDMesh(mesh, indices, _followed_by(dp_mesh, mesh, rest))
 
 
-def _replicate_only(mesh: DeviceMesh,
-                    replicate: tuple[str, ...]) -> tuple[DeviceMesh, SPMDMesh]:
-    """DDP (``replicate`` dims only): HSDP over the replicate dim (several flattened into
-    one) and a shard dim of one rank unflattened from it (named ``<replicate>_shard``), so
-    that every rank holds whole parameters and gradients are all-reduced over the replicas.
-    The sharded parameters live on those two dims and the mesh's other dims."""
-    dp_mesh = _with_shard_of_one(_one_dim(mesh, replicate))
-    rest = (mesh.mesh_dim_names or ())[len(replicate):]
-    parts = [dp_mesh] + ([_submesh(mesh, rest)] if rest else [])
-    return dp_mesh, SPMDMesh(mesh, len(replicate), joined(parts))
+def _followed_by(dp_mesh: DeviceMesh, mesh: DeviceMesh, rest: tuple[str, ...]) -> DeviceMesh:
+    """The sharded parameters' mesh: ``dp_mesh``'s dims, then ``mesh``'s dims ``rest``."""
+    return joined([dp_mesh, _submesh(mesh, rest)]) if rest else dp_mesh
 
 
 def _with_shard_of_one(replicas: DeviceMesh) -> DeviceMesh:

@@ -56,8 +56,9 @@ class TPLayout:
         param_mesh: the mesh of the parameter as its module sees it: its own (TP) mesh, or
             the full SPMD mesh of ``fully_shard(..., dp_mesh_dims=...)``.
         param_placements: its placements on ``param_mesh``.
-        dp_dims: how many leading dims of ``param_mesh`` are fsdp's (0 on a TP mesh; the
-            replicate and shard dims of an SPMD mesh, where the parameter is ``Replicate``).
+        dp_indices: the dims of ``param_mesh`` that are fsdp's, ascending (none on a TP
+            mesh; the replicate and shard dims of an SPMD mesh, where the parameter is
+            ``Replicate``, wherever they are on it).
         shape: the global shape.
         stride: the global stride.
         local_shape: the TP-local shape (what fsdp plans and stores).
@@ -66,7 +67,7 @@ class TPLayout:
 
     param_mesh: DeviceMesh
     param_placements: tuple[Placement, ...]
-    dp_dims: int
+    dp_indices: tuple[int, ...]
     shape: torch.Size
     stride: tuple[int, ...]
     local_shape: tuple[int, ...]
@@ -75,7 +76,20 @@ class TPLayout:
     @property
     def tp_placements(self) -> tuple[Placement, ...]:
         """The placements on the dims that are not fsdp's."""
-        return self.param_placements[self.dp_dims:]
+        return self.split(self.param_placements)[1]
+
+    def split(self, placements: Sequence[Placement]
+              ) -> tuple[tuple[Placement, ...], tuple[Placement, ...]]:
+        """``placements`` on ``param_mesh`` as (those on fsdp's dims, those on the others)."""
+        dp = tuple(p for i, p in enumerate(placements) if i in self.dp_indices)
+        return dp, tuple(p for i, p in enumerate(placements) if i not in self.dp_indices)
+
+    def on_param_mesh(self, dp_placements: Sequence[Placement]) -> tuple[Placement, ...]:
+        """Placements on ``param_mesh``: ``dp_placements`` on fsdp's dims (in order), the
+        parameter's own on the others (the inverse of :meth:`split`)."""
+        dp, tp = iter(dp_placements), iter(self.tp_placements)
+        return tuple(next(dp) if i in self.dp_indices else next(tp)
+                     for i in range(self.param_mesh.ndim))
 
     def tp_dtensor(self, local: torch.Tensor,
                    dp_placements: Sequence[Placement] | None = None) -> DTensor:
@@ -84,7 +98,7 @@ class TPLayout:
         ``dp_placements`` replace the parameter's on the data-parallel dims (a gradient's)."""
         meta = TensorMeta(self.shape, self.stride, local.dtype)
         placements = (self.param_placements if dp_placements is None
-                      else (*dp_placements, *self.tp_placements))
+                      else self.on_param_mesh(dp_placements))
         spec = DTensorSpec(self.param_mesh, placements, tensor_meta=meta)
         return DTensor(local, spec, requires_grad=False)
 
@@ -103,7 +117,7 @@ class TPLayout:
         if not isinstance(grad, DTensor):
             raise TypeError(f"fsdp: expected a DTensor gradient for a tensor-parallel parameter "
                             f"of shape {tuple(self.shape)}, got {type(grad).__name__}")
-        target = (*grad.placements[:self.dp_dims], *self.tp_placements)
+        target = self.on_param_mesh(self.split(grad.placements)[0])
         if grad.placements != target:
             grad = grad.redistribute(self.param_mesh, target)
         return grad.to_local()
@@ -151,7 +165,7 @@ def plan_layout(name: str, param: DTensor, dp_mesh: DeviceMesh) -> TPLayout:
         raise ValueError(f"fully_shard: parameter {name!r} lives on {tp_mesh}, which does not "
                          f"join fsdp's mesh {dp_mesh} into one mesh of one world ({error})"
                          ) from None
-    return TPLayout(tp_mesh, tuple(param.placements), 0, param.shape, tuple(param.stride()),
+    return TPLayout(tp_mesh, tuple(param.placements), (), param.shape, tuple(param.stride()),
                     _tp_local_shape(name, param), combined)
 
 
@@ -175,11 +189,12 @@ def plan_spmd_layout(name: str, param: torch.Tensor, spmd: SPMDMesh) -> TPLayout
         raise ValueError(f"Expected parameter {name!r}'s DTensor mesh to be the mesh passed to "
                          f"fully_shard ({mesh}), but got {param.device_mesh}")
     names = mesh.mesh_dim_names or ()
-    for dim, placement in enumerate(param.placements[:spmd.dp_dims]):
+    for dim in spmd.dp_indices:
+        placement = param.placements[dim]
         if not isinstance(placement, Replicate):
             raise ValueError(f"Expected Replicate() on DP dim {names[dim]!r} (index {dim}) of "
                              f"parameter {name!r} but got {placement}")
-    return TPLayout(mesh, tuple(param.placements), spmd.dp_dims, param.shape,
+    return TPLayout(mesh, tuple(param.placements), spmd.dp_indices, param.shape,
                     tuple(param.stride()), _tp_local_shape(name, param), spmd.sharded_mesh)
 
 
@@ -260,7 +275,7 @@ class TPManagedParam(ManagedParam):
         make DTensor all-reduce a ``Partial`` gradient over dp before adding it). Before the
         first gradient: ``Partial``, where each dp rank computed on its own data."""
         if self.learned_grad_dp is None:
-            return (Partial(),) * self._layout.dp_dims
+            return (Partial(),) * len(self._layout.dp_indices)
         return self.learned_grad_dp
 
     def unsharded_param(self) -> nn.Parameter:
@@ -268,7 +283,7 @@ class TPManagedParam(ManagedParam):
         data-parallel placements are checked first (:meth:`_check_grad_placements`)."""
         created = self.unsharded is None
         param = super().unsharded_param()
-        if created and self._layout.dp_dims and self.trainable:
+        if created and self._layout.dp_indices and self.trainable:
             param.register_hook(self._check_grad_placements)
         return param
 
@@ -280,7 +295,7 @@ class TPManagedParam(ManagedParam):
         facts), since the sum would mix a ``Partial`` with a ``Replicate``."""
         if not isinstance(grad, DTensor):
             return
-        placements = tuple(grad.placements[:self._layout.dp_dims])
+        placements = self._layout.split(grad.placements)[0]
         if self.got_grad and self.learned_grad_dp not in (None, placements):
             raise NotImplementedError(
                 f"parameter {self.name!r}: its gradient is placed {placements} on the "
@@ -290,7 +305,7 @@ class TPManagedParam(ManagedParam):
         self.learned_grad_dp = placements
         assert self.unsharded is not None
         aimed = self.unsharded.grad
-        if isinstance(aimed, DTensor) and tuple(aimed.placements[:len(placements)]) != placements:
+        if isinstance(aimed, DTensor) and self._layout.split(aimed.placements)[0] != placements:
             self.unsharded.grad = self._buffer_grad()
 
     def _local(self, grad: torch.Tensor) -> torch.Tensor:
@@ -310,38 +325,37 @@ class TPManagedParam(ManagedParam):
 
     def loadable(self, value: object) -> object:
         """A DTensor on the parameter's own mesh (a state dict taken before ``fully_shard``,
-        or FSDP2's), as the same local tensor on the sharded parameter's mesh: DTensor's
-        ``copy_`` refuses two meshes, and the meshes differ where fsdp's dims are not the
-        parameter's (a TP mesh; DDP mode's shard dim of one rank; flattened dims).
+        or FSDP2's), as a DTensor of the same values on the sharded parameter's mesh:
+        DTensor's ``copy_`` refuses two meshes, and the meshes differ where fsdp's dims are
+        not the parameter's (a TP mesh; DDP mode's shard dim of one rank; flattened or
+        reordered dims).
 
-        A data-parallel dim the sharded mesh keeps (by name) keeps its placement; the others
-        must be ``Replicate()``: the local tensor then does not depend on them, and the
-        coordinates on the kept dims and the other dims are the same (the meshes are joined
-        from one world's).
-
-        Raises:
-            ValueError: for a value sharded or partial over a dim fsdp flattened (the same on
-                every rank: placements are global).
+        Where the value's cut over fsdp's dims carries over (each dim it cuts kept by name,
+        in the same order, the dims leading both meshes), the same local tensor is rewrapped
+        with those placements: the coordinates on the kept dims and on the others are the
+        same (the meshes are joined from one world's). Otherwise (a cut over a dim fsdp
+        flattens away, or dims fsdp reorders, where a cut's meaning depends on the order)
+        the value is first gathered over fsdp's dims, once at load; placements are global
+        facts, so every rank takes the same branch.
         """
         layout = self._layout
         if (not isinstance(value, DTensor) or layout.param_mesh == layout.mesh
                 or value.device_mesh != layout.param_mesh):
             return value
-        rest = tuple(value.placements[layout.dp_dims:])
+        dp, rest = layout.split(value.placements)
+        names = layout.split(layout.param_mesh.mesh_dim_names or ())[0]
+        if len(names) != len(dp):  # unnamed dims cannot be matched: copy_ decides
+            return value
         ours = layout.mesh.mesh_dim_names or (None,) * layout.mesh.ndim
         ours = ours[:layout.mesh.ndim - len(rest)]
-        theirs = dict(zip(layout.param_mesh.mesh_dim_names or (),
-                          value.placements[:layout.dp_dims]))
-        if len(theirs) != layout.dp_dims:  # unnamed dims cannot be matched: copy_ decides
-            return value
-        for name, placement in theirs.items():
-            if name not in ours and not isinstance(placement, Replicate):
-                raise ValueError(
-                    f"parameter {self.name!r}: the state dict's value is {placement} on mesh "
-                    f"dim {name!r}, which fsdp's sharded parameter does not have (it flattens "
-                    f"it: {layout.mesh.mesh_dim_names}); load it Replicate() there, as a full "
-                    "state dict, or through DCP")
-        placements = tuple(theirs.get(name, Replicate()) for name in ours) + rest
+        cut = {name: p for name, p in zip(names, dp) if not isinstance(p, Replicate)}
+        carries = (layout.dp_indices == tuple(range(len(dp)))
+                   and list(cut) == [name for name in ours if name in cut])
+        if cut and not carries:
+            value = value.redistribute(layout.param_mesh,
+                                       layout.on_param_mesh((Replicate(),) * len(dp)))
+            cut = {}
+        placements = tuple(cut.get(name, Replicate()) for name in ours) + rest
         return DTensor.from_local(value._local_tensor, layout.mesh, placements, run_check=False,
                                   shape=value.shape, stride=value.stride())
 
