@@ -280,6 +280,69 @@ def test_state_dicts_on_the_spmd_mesh_load(ranks, shape, names, dims, fsdp2_mesh
         assert out["FSDP2's meshes"] == [fsdp2_mesh], out
 
 
+def _checkpoints_case(shape: tuple[int, ...], names: tuple[str, ...], dims: dict,
+                      path: str) -> dict:
+    """fsdp's full state dict out and in (``get``/``set_model_state_dict``), and FSDP2's DCP
+    checkpoint of the same SPMD layout loaded into fsdp, each against the values known."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    import fsdp
+    from tests.harness import device_mesh
+
+    mesh = device_mesh(*shape, names=names)
+    dp_mesh_dims = DataParallelMeshDims(**dims)
+    full = {k: v.detach().clone() for k, v in _model().state_dict().items()}
+    model, theirs = _model(), _model()
+    _distribute(model, mesh, _dp_names(dims))
+    _distribute(theirs, mesh, _dp_names(dims))
+    for block in model:
+        fsdp.fully_shard(block, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+    fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+    for block in theirs:
+        fsdp2_fully_shard(block, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+    fsdp2_fully_shard(theirs, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+    options = StateDictOptions(full_state_dict=True)
+    out = get_model_state_dict(model, options=options)
+    full_out = all(torch.equal(out[k], full[k]) for k in full)
+    set_model_state_dict(model, {k: v * 2 + 1 for k, v in full.items()}, options=options)
+    full_in = all(torch.equal(p.full_tensor(), full[n] * 2 + 1)
+                  for n, p in model.named_parameters())
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.mul_(3)
+    dcp.save(get_model_state_dict(theirs), checkpoint_id=path)
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state)
+    fsdp2_dcp = all(torch.equal(p.full_tensor(), full[n] * 3) for n, p in model.named_parameters())
+    return {"full state dict out": full_out, "full state dict in": full_in,
+            "FSDP2's DCP checkpoint": fsdp2_dcp}
+
+
+@pytest.mark.parametrize("shape,names,dims", [
+    ((2, 2), ("ck_hsdp_r", "ck_hsdp_s"), {"shard": "ck_hsdp_s", "replicate": "ck_hsdp_r"}),
+    ((2, 2), ("ck_ddp", "ck_ddp_tp"), {"replicate": "ck_ddp"}),
+    ((2, 2), ("ck_f_s", "ck_f_cp"), {"shard": ("ck_f_s", "ck_f_cp")}),
+    ((2, 2), ("ck_nl_tp", "ck_nl_dp"), {"shard": "ck_nl_dp"}),
+], ids=["hsdp", "ddp-tp", "flattened-shard", "dp-after-tp"])
+def test_full_state_dicts_and_fsdp2_dcp_checkpoints_on_the_spmd_mesh(
+        ranks, tmp_path, shape, names, dims) -> None:
+    """The checkpoint paths a switching user takes, on the sharded meshes fsdp builds for an
+    SPMD mesh (the mesh itself, DDP mode's shard dim of one rank, flattened dims, dp dims
+    moved first): exact values out and in."""
+    for out in ranks.run(4, _checkpoints_case, shape, names, dims, str(tmp_path / "ckpt"),
+                         timeout=TIMEOUT_S):
+        assert all(out.values()), out
+
+
 def _load_sharded_over_a_flattened_dim() -> bool:
     """A state dict value ``Shard(0)`` over a replicate dim that fsdp flattens away."""
     import torch
