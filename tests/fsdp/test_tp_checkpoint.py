@@ -118,9 +118,10 @@ def test_full_state_dict_loads_into_tp_parameters(ranks, broadcast: bool) -> Non
         _assert_same(rank_out, weights, f"full state dict, broadcast={broadcast}")
 
 
-def _load_tp_state_dict(impl: str) -> dict[str, Any]:
+def _load_tp_state_dict(impl: str, assign: bool = False) -> dict[str, Any]:
     """The model's own state dict from before ``fully_shard`` (DTensors on the TP mesh, new
-    values), loaded with ``load_state_dict`` after it."""
+    values), loaded with ``load_state_dict`` after it (``assign``: taken in at the next
+    forward's unshard, then read back from the sharded parameters)."""
     import importlib
 
     fully_shard = importlib.import_module(impl).fully_shard
@@ -133,9 +134,16 @@ def _load_tp_state_dict(impl: str) -> dict[str, Any]:
         fully_shard(block, mesh=world["dp"])
     fully_shard(model, mesh=world["dp"])
     try:
-        model.load_state_dict(state)
+        model.load_state_dict(state, assign=assign)
     except RuntimeError as error:
         return {"error": str(error)}
+    if assign:
+        model(torch.zeros(1, SEQ, dtype=torch.long))
+        # the state dict's pre-hook registers the sharded parameters (the root keeps its
+        # unsharded ones after forward)
+        placements = {str(v.placements) for v in model.state_dict().values()}
+        if not all("RaggedShard" in placement for placement in placements):
+            return {"error": f"not the sharded parameters: {placements}"}
     got = {n: full(p) for n, p in model.named_parameters()}
     return {"same": all(torch.equal(got[n], expected[n]) for n in expected),
             "changed": all(not torch.equal(expected[n], full(v)) for n, v in
@@ -150,3 +158,11 @@ def test_a_state_dict_from_before_fully_shard_loads_into_tp_parameters(ranks) ->
         assert out == {"same": True, "changed": True}, out
     for out in ranks.run(4, _load_tp_state_dict, "torch.distributed.fsdp", timeout=TIMEOUT_S):
         assert "different meshes" in out.get("error", ""), out
+
+
+def test_a_state_dict_from_before_fully_shard_loads_into_tp_parameters_with_assign(ranks) -> None:
+    """The same with ``assign=True``: each value (``Replicate`` over dp once on the combined
+    mesh) is redistributed to the sharded parameter's placements at the next unshard, and
+    the module's parameters are the sharded ones again, exact."""
+    for out in ranks.run(4, _load_tp_state_dict, "fsdp", True, timeout=TIMEOUT_S):
+        assert out == {"same": True, "changed": True}, out

@@ -312,16 +312,24 @@ class TPManagedParam(ManagedParam):
         return self._layout.tp_local(grad)
 
     def adopt(self, value: torch.Tensor) -> None:
-        """Take in an assigned value placed like the sharded parameter; any other value
-        would need the TP cut too, which is not supported (raises rather than copying the
-        wrong rows)."""
-        if isinstance(value, DTensor) and value.placements == self.sharded.placements:
+        """Take in an assigned value (``load_state_dict(..., assign=True)``, or ``module.w =
+        nn.Parameter(...)`` after ``fully_shard``): a DTensor on the sharded parameter's mesh
+        or on the parameter's own (:meth:`loadable`), redistributed to the sharded
+        parameter's placements where it is placed otherwise (placements are global facts:
+        every rank redistributes alike). A plain tensor would need the TP cut too, which is
+        not supported (raises rather than copying the wrong rows)."""
+        value = self.loadable(value)
+        mesh = self.sharded.device_mesh
+        if isinstance(value, DTensor) and value.device_mesh == mesh:
+            if value.placements != self.sharded.placements:
+                value = value.redistribute(mesh, self.sharded.placements)
             super().adopt(value)
             return
         raise NotImplementedError(
             f"parameter {self.name!r} is tensor-parallel: a value assigned after fully_shard "
-            f"must be a DTensor placed like the sharded parameter ({self.sharded.placements}); "
-            "assign before fully_shard, or copy into the parameter instead")
+            f"must be a DTensor on the sharded parameter's mesh ({mesh}) or on the "
+            f"parameter's own ({self._layout.param_mesh}); assign before fully_shard, or copy "
+            "into the parameter instead")
 
     def loadable(self, value: object) -> object:
         """A DTensor on the parameter's own mesh (a state dict taken before ``fully_shard``,
