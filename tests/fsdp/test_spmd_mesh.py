@@ -267,7 +267,11 @@ def _load_spmd_state_dict(shape: tuple[int, ...], names: tuple[str, ...], dims: 
      ("sd_r_a", "sd_r_b", "sd_s")),
     ((2, 2), ("sd_f_s", "sd_f_cp"), {"shard": ("sd_f_s", "sd_f_cp")}, ("sd_f_s_sd_f_cp",)),
     ((2, 2), ("sd_nl_tp", "sd_nl_dp"), {"shard": "sd_nl_dp"}, ("sd_nl_tp", "sd_nl_dp")),
-], ids=["ddp", "ddp-two-dims", "hsdp-two-replicate-dims", "flattened-shard", "dp-after-tp"])
+    ((2, 2), ("sd_sr_s", "sd_sr_r"), {"shard": "sd_sr_s", "replicate": "sd_sr_r"},
+     ("sd_sr_s", "sd_sr_r")),
+    ((2, 2), ("sd_dt_tp", "sd_dt_r"), {"replicate": "sd_dt_r"}, ("sd_dt_tp", "sd_dt_r")),
+], ids=["ddp", "ddp-two-dims", "hsdp-two-replicate-dims", "flattened-shard", "dp-after-tp",
+        "hsdp-shard-first", "ddp-after-tp"])
 def test_state_dicts_on_the_spmd_mesh_load(ranks, shape, names, dims, fsdp2_mesh) -> None:
     """Where fsdp's sharded parameters live on another mesh than the SPMD mesh (DDP mode's
     shard dim of one rank, flattened dims, dp dims moved first), ``load_state_dict`` of
@@ -368,6 +372,92 @@ def test_a_state_dict_sharded_over_a_flattened_dim_loads(ranks) -> None:
     """The value's cut over a dim fsdp flattens away does not carry over to fsdp's mesh: it
     is gathered over the data-parallel dims at load, and loads exactly."""
     assert all(ranks.run(4, _load_sharded_over_a_flattened_dim, timeout=TIMEOUT_S))
+
+
+def _load_placed(placements: tuple[str, str], assign: bool) -> bool:
+    """Values placed ``placements`` on the ``(tp, dp)`` mesh, unlike the parameters'
+    ``(TP placement, Replicate())``, loaded into fsdp (dp moved first on its mesh)."""
+    import torch
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    import fsdp
+    from tests.harness import device_mesh
+
+    mesh = device_mesh(2, 2, names=("lp_tp", "lp_dp"))
+    model = _model()
+    full = {k: v.detach() * 2 + 1 for k, v in model.state_dict().items()}
+    given = [Shard(0) if p == "Shard(0)" else Replicate() for p in placements]
+    state = {k: distribute_tensor(v, mesh, given) for k, v in full.items()}
+    _distribute(model, mesh, ("lp_dp",))
+    dims = DataParallelMeshDims(shard="lp_dp")
+    for block in model:
+        fsdp.fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
+    fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    model.load_state_dict(state, assign=assign)
+    if assign:  # taken in at the next unshard
+        model(DTensor.from_local(torch.zeros(4, 6), mesh, [Replicate(), Shard(0)]))
+    return all(torch.equal(v.full_tensor(), full[k]) and "RaggedShard" in str(v.placements)
+               for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("placements,assign", [
+    (("Shard(0)", "Shard(0)"), False),
+    (("Shard(0)", "Shard(0)"), True),
+    (("Replicate()", "Shard(0)"), False),
+], ids=["cut-twice", "cut-twice-assign", "other-tp-placement"])
+def test_values_placed_unlike_the_parameters_load_exactly(ranks, placements, assign) -> None:
+    """A value cut along one tensor dim by the TP dim and then the dp dim means another cut on
+    fsdp's mesh (dp first): it is gathered over dp, keeping its own TP placement, then
+    loaded (also taken in through ``assign=True``); a value cut over dp alone is rewrapped
+    as it is. Either way the loaded parameters are exact, whatever the TP placement."""
+    assert all(ranks.run(4, _load_placed, placements, assign, timeout=TIMEOUT_S))
+
+
+def _pipeline_stages_case() -> list[float]:
+    """A ``(pp, dp)`` mesh whose two pipeline stages make different ``fully_shard`` calls
+    (stage 0 wraps its first block and the model, stage 1 the model only), then train two
+    steps each on their own batches; returns each step's loss and one process's."""
+    import torch
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    import fsdp
+    from tests.harness import device_mesh
+
+    mesh = device_mesh(2, 2, names=("ps_pp", "ps_dp"))
+    stage, dp_rank = mesh.get_local_rank(0), mesh.get_local_rank(1)
+    model, reference = _model(), _model()
+    _distribute(model, mesh, mesh.mesh_dim_names)
+    dims = DataParallelMeshDims(shard="ps_dp")
+    if stage == 0:
+        fsdp.fully_shard(model[0], mesh=mesh, dp_mesh_dims=dims)
+    fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    losses = []
+    for step in range(2):
+        batch = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * stage + step))
+        x = DTensor.from_local(batch.chunk(2)[dp_rank], mesh, [Replicate(), Shard(0)])
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        ref_loss = reference(batch).pow(2).sum()
+        (ref_loss / 2).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        losses.append((loss.full_tensor().item(), ref_loss.item()))
+    return losses
+
+
+def test_pipeline_stages_with_different_calls_do_not_wait_on_each_other(ranks) -> None:
+    """fsdp's error agreement and meshes span only the data-parallel dims and the dims some
+    parameter is cut over: along a pipeline dim (every parameter ``Replicate()`` there) the
+    stages make their own calls, and each trains like one process on its batches."""
+    for losses in ranks.run(4, _pipeline_stages_case, timeout=60):
+        for ours, reference in losses:
+            assert ours == pytest.approx(reference, rel=1e-5), losses
 
 
 def _bad_input_case(impl: str, case: str) -> str:
@@ -508,7 +598,8 @@ def _rank_local_error_case(names: tuple[str, ...], dims: dict) -> str:
 @pytest.mark.parametrize("names,dims", [
     (("dp", "tp"), {"shard": "dp"}),
     (("hsdp_replicate", "hsdp_shard"), {"shard": "hsdp_shard", "replicate": "hsdp_replicate"}),
-], ids=["fsdp-tp", "hsdp"])
+    (("el_tp", "el_dp"), {"shard": "el_dp"}),
+], ids=["fsdp-tp", "hsdp", "dp-after-tp"])
 def test_a_rank_local_error_raises_on_every_rank_of_the_mesh(ranks, names, dims) -> None:
     """Rank 1's error reaches ranks 0 and 2, which share no data-parallel group with it
     (FSDP + TP: they would go on to their first TP collective alone) or no replicate group

@@ -8,7 +8,7 @@ so every rank holds whole units and the collectives run in place.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn, overload
 
 import torch
@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy,
                                     OffloadPolicy)
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from fsdp import post_forward, spmd_mesh
 from fsdp.dim_shard import shard_dims
@@ -122,7 +122,8 @@ def fully_shard(
             without ``forward``, or an int ``reshard_after_forward`` that does not divide the
             shard dimension (the same facts on every rank, so every rank raises); with
             ``dp_mesh_dims``, a name the mesh lacks or a parameter that is not a DTensor on
-            the mesh, ``Replicate()`` on its data-parallel dims (FSDP2's rules).
+            the mesh, ``Replicate()`` on its data-parallel dims (FSDP2's rules), or a name
+            given twice.
         AssertionError: for a ``shard_placement_fn`` dim the parameter lacks (FSDP2's).
         NotImplementedError: for tensor-parallel (DTensor) parameters whose placements fsdp
             cannot compose with (a ``Shard(d)`` leaving a TP rank empty, ``Partial``; see
@@ -130,8 +131,8 @@ def fully_shard(
             ``Shard`` or a ``ShardPlacementResult`` fsdp can shard over, uneven
             ``Shard(d > 0)`` chunks (FSDP2's), ``Shard(d > 0)`` along a dim tensor
             parallelism already cuts or of an FP8-gathered parameter, or CPU
-            offload of a mesh that is not on CPU, or a ``dp_mesh_dims`` fsdp does not take
-            (:mod:`fsdp.spmd_mesh`).
+            offload of a mesh that is not on CPU, or an int ``reshard_after_forward`` with
+            ``dp_mesh_dims`` (FSDP2's).
         TypeError: for a ``module``, ``mesh``, ``mp_policy``, ``unit_policy``,
             ``dp_mesh_dims`` or ``backward_split`` of the wrong type, naming it.
     """
@@ -210,7 +211,7 @@ def fully_shard(
     groups = [(mesh.get_group(dim), agree_on) for dim in range(mesh.ndim)]
     if spmd is not None:
         groups = [(spmd.mesh.get_group(dim), None)
-                  for dim in range(spmd.mesh.ndim) if dim not in spmd.dp_indices] + groups
+                  for dim in _cut_dims(modules, ignored_params, spmd)] + groups
     else:
         groups = [(tp_mesh.get_group(dim), None) for tp_mesh in _tp_meshes(modules, ignored_params)
                   for dim in range(tp_mesh.ndim)] + groups
@@ -270,19 +271,34 @@ def _check_param_meshes(param_meshes: dict[str, DeviceMesh], mesh: DeviceMesh,
                     f"{name!r}'s mesh {m})")
 
 
+def _dtensor_params(modules: tuple[nn.Module, ...],
+                    ignored: Iterable[nn.Parameter] | None) -> Iterator[DTensor]:
+    """The DTensor parameters a new group would take, in registration order: read from the
+    modules themselves (not from what collection found, which an error may have cut short),
+    so that every rank derives the same facts from them."""
+    skipped = set(ignored or ())
+    for managed in managed_modules(modules, lambda m: get_state(m) is not None):
+        for param in managed.module._parameters.values():
+            if isinstance(param, DTensor) and param not in skipped:
+                yield param
+
+
 def _tp_meshes(modules: tuple[nn.Module, ...],
                ignored: Iterable[nn.Parameter] | None) -> list[DeviceMesh]:
     """The meshes of the DTensor parameters a new group would take, each once, in
-    registration order: read from the modules themselves (not from what collection found,
-    which an error may have cut short), so that every rank derives the same list."""
-    skipped = set(ignored or ())
-    meshes: list[DeviceMesh] = []
-    for managed in managed_modules(modules, lambda m: get_state(m) is not None):
-        for param in managed.module._parameters.values():
-            if (isinstance(param, DTensor) and param not in skipped
-                    and param.device_mesh not in meshes):
-                meshes.append(param.device_mesh)
-    return meshes
+    registration order."""
+    return list(dict.fromkeys(p.device_mesh for p in _dtensor_params(modules, ignored)))
+
+
+def _cut_dims(modules: tuple[nn.Module, ...], ignored: Iterable[nn.Parameter] | None,
+              spmd: spmd_mesh.SPMDMesh) -> list[int]:
+    """The SPMD mesh's other dims (not data-parallel) that some parameter a new group would
+    take is cut over (tensor parallelism). Errors travel along these: their ranks hold the
+    other pieces of the same parameters. A dim no parameter is cut over (a pipeline dim,
+    whose ranks make other stages' ``fully_shard`` calls) takes no collective."""
+    cut = {i for p in _dtensor_params(modules, ignored) if p.device_mesh == spmd.mesh
+           for i, placement in enumerate(p.placements) if not isinstance(placement, Replicate)}
+    return [dim for dim in range(spmd.mesh.ndim) if dim in cut and dim not in spmd.dp_indices]
 
 
 def _in_stream(hook: Callable[[torch.Tensor], None], stream: Any) -> Callable[[torch.Tensor], None]:

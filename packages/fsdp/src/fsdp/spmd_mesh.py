@@ -7,9 +7,12 @@ data-parallel dims, and ``dp_mesh_dims`` names which dims those are. fsdp reads 
 its tensor-parallel composition (:mod:`fsdp.tensor_parallel`) with the other dims as the
 TP dims: it shards each parameter's TP-local tensor in whole units over the ``shard`` dim
 (HSDP: replicated over the ``replicate`` dim), runs its collectives over those dims only,
-and gives the module its unsharded parameter as the DTensor on ``world`` it was. The
-sharded parameter is a DTensor on ``world`` itself, placements ``(RaggedShard, *rest)``
-(HSDP: ``(Replicate(), RaggedShard, *rest)``). A gradient keeps what it has on the
+and gives the module its unsharded parameter as the DTensor on ``world`` it was. Where the
+data-parallel dims lead ``world`` (replicate, then shard), the sharded parameter is a DTensor
+on ``world`` itself, placements ``(RaggedShard, *rest)`` (HSDP: ``(Replicate(), RaggedShard,
+*rest)``); elsewhere see below. Fsdp's error agreement runs along the data-parallel dims and
+the dims some parameter is cut over (TP), not along a dim every parameter is
+``Replicate()`` on (a pipeline dim, whose ranks make other stages' calls). A gradient keeps what it has on the
 data-parallel dims (``Partial`` or ``Replicate``): the reduce-scatter is its reduction,
 with no all-reduce before it, as in FSDP2. One accumulation (the gradients of a parameter
 between two reductions) holds one of the two: mixing them raises ``NotImplementedError``.
@@ -38,8 +41,9 @@ others in the mesh's order (``("dp", "pp", "tp")``), a mesh joined from the same
 ranks: the ragged cut then applies to the TP-local tensor, as on every other mesh fsdp
 builds. FSDP2 keeps its ``Shard(0)`` on the SPMD mesh's own dim; the values are the same.
 
-What fsdp does not take (``NotImplementedError``, on every rank): an int
-``reshard_after_forward`` (FSDP2 refuses that one too).
+Several names in one role go in the mesh's order (torch's mesh slicing raises ``KeyError``
+otherwise, for FSDP2 too). What fsdp does not take (``NotImplementedError``, on every rank):
+an int ``reshard_after_forward`` (FSDP2 refuses that one too).
 """
 
 from __future__ import annotations
@@ -62,8 +66,9 @@ class SPMDMesh:
         mesh: the mesh ``fully_shard`` was given (every parameter is a DTensor on it).
         dp_indices: the indices of its data-parallel dims (replicate and shard), ascending.
         sharded_mesh: the sharded parameters' mesh: ``mesh`` itself, or where dims were
-            flattened into one or the data-parallel dims do not lead in the order (replicate,
-            shard), the data-parallel mesh's dims followed by the others.
+            flattened into one, the data-parallel dims do not lead in the order (replicate,
+            shard), or DDP mode adds its shard dim of one rank, the data-parallel mesh's dims
+            followed by the others.
     """
 
     mesh: DeviceMesh

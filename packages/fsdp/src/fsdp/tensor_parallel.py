@@ -42,7 +42,7 @@ from ragged_dtensor.composed import ragged_shape, smallest_tp_numel
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from fsdp.managed_param import ManagedParam
 from fsdp.spmd_mesh import SPMDMesh, joined
@@ -244,6 +244,30 @@ def sharded_parameter(buffer: DBuffer, name: str, layout: TPLayout,
     return param
 
 
+def _cut_carries(layout: TPLayout, names: tuple[str, ...], ours: tuple[str | None, ...],
+                 placements: Sequence[Placement]) -> bool:
+    """Whether ``placements`` (a value's on ``layout.param_mesh``, whose dims are ``names``)
+    cut the tensor the same on the sharded mesh (fsdp's dims ``ours``, then the others in
+    order): a DTensor cuts along its mesh dims in order, so each dim that cuts must be there
+    (not flattened away), and two cuts whose order the sharded mesh swaps must commute."""
+    others = iter(range(len(ours), len(ours) + len(names)))
+    where = [(ours.index(name) if name in ours else None) if i in layout.dp_indices
+             else next(others) for i, name in enumerate(names)]
+    cuts = [(where[i], p) for i, p in enumerate(placements) if not isinstance(p, Replicate)]
+    if any(at is None for at, _ in cuts):
+        return False
+    return all(a < b or _commute(p, q) for k, (a, p) in enumerate(cuts) for b, q in cuts[k + 1:])
+
+
+def _commute(p: Placement, q: Placement) -> bool:
+    """Whether two placements cut alike in either order: a ``Partial`` cuts nothing, and
+    shards of different tensor dims are independent."""
+    if isinstance(p, Partial) or isinstance(q, Partial):
+        return True
+    shards = (Shard, _StridedShard)
+    return isinstance(p, shards) and isinstance(q, shards) and p.dim != q.dim
+
+
 @dataclass(eq=False)
 class TPManagedParam(ManagedParam):
     """A :class:`~fsdp.managed_param.ManagedParam` whose parameter is tensor-parallel: the
@@ -338,32 +362,29 @@ class TPManagedParam(ManagedParam):
         not the parameter's (a TP mesh; DDP mode's shard dim of one rank; flattened or
         reordered dims).
 
-        Where the value's cut over fsdp's dims carries over (each dim it cuts kept by name,
-        in the same order, the dims leading both meshes), the same local tensor is rewrapped
-        with those placements: the coordinates on the kept dims and on the others are the
-        same (the meshes are joined from one world's). Otherwise (a cut over a dim fsdp
-        flattens away, or dims fsdp reorders, where a cut's meaning depends on the order)
-        the value is first gathered over fsdp's dims, once at load; placements are global
-        facts, so every rank takes the same branch.
+        The value is first redistributed on the parameter's mesh (once, at load) to the
+        parameter's TP placements, keeping its cut over fsdp's dims where that cut means the
+        same on the sharded mesh (:func:`_cut_carries`), else gathered over them (a cut over a
+        dim fsdp flattens away, or two cuts of one tensor dim whose order fsdp's mesh swaps).
+        Then its local tensor is rewrapped on the sharded mesh: the coordinates on the dims
+        kept by name are the same (the meshes are joined from one world's). Placements are
+        global facts, so every rank takes the same branch.
         """
         layout = self._layout
+        names = layout.param_mesh.mesh_dim_names
         if (not isinstance(value, DTensor) or layout.param_mesh == layout.mesh
-                or value.device_mesh != layout.param_mesh):
-            return value
-        dp, rest = layout.split(value.placements)
-        names = layout.split(layout.param_mesh.mesh_dim_names or ())[0]
-        if len(names) != len(dp):  # unnamed dims cannot be matched: copy_ decides
-            return value
+                or value.device_mesh != layout.param_mesh or names is None):
+            return value  # unnamed dims cannot be matched: copy_ decides
         ours = layout.mesh.mesh_dim_names or (None,) * layout.mesh.ndim
-        ours = ours[:layout.mesh.ndim - len(rest)]
-        cut = {name: p for name, p in zip(names, dp) if not isinstance(p, Replicate)}
-        carries = (layout.dp_indices == tuple(range(len(dp)))
-                   and list(cut) == [name for name in ours if name in cut])
-        if cut and not carries:
-            value = value.redistribute(layout.param_mesh,
-                                       layout.on_param_mesh((Replicate(),) * len(dp)))
-            cut = {}
-        placements = tuple(cut.get(name, Replicate()) for name in ours) + rest
+        ours = ours[:layout.mesh.ndim - len(layout.tp_placements)]
+        target = layout.on_param_mesh(layout.split(value.placements)[0])
+        if not _cut_carries(layout, names, ours, target):
+            target = layout.param_placements
+        if tuple(value.placements) != target:
+            value = value.redistribute(layout.param_mesh, target)
+        dp, rest = layout.split(target)
+        by_name = dict(zip(layout.split(names)[0], dp))
+        placements = tuple(by_name.get(name, Replicate()) for name in ours) + rest
         return DTensor.from_local(value._local_tensor, layout.mesh, placements, run_check=False,
                                   shape=value.shape, stride=value.stride())
 
