@@ -172,12 +172,20 @@ def test_several_replicate_dims_flattened_train_like_fsdp2(ranks, shape, names, 
     ((2, 2), ("nl_shard", "nl_replicate"), {"shard": "nl_shard", "replicate": "nl_replicate"}),
     ((2, 2), ("nld_model", "nld_batch"), {"replicate": "nld_batch"}),
 ], ids=["tp-first", "hsdp-shard-first", "ddp-tp-first"])
-def test_data_parallel_dims_anywhere_on_the_mesh_train_like_fsdp2(ranks, shape, names,
-                                                                  dims) -> None:
+@pytest.mark.parametrize("sharded_data", [True, False], ids=["sharded-data", "replicated-data"])
+def test_data_parallel_dims_anywhere_on_the_mesh_train_like_fsdp2(ranks, shape, names, dims,
+                                                                  sharded_data) -> None:
     """Data-parallel dims after a TP dim (as behind a pipeline dim), and HSDP's shard dim
     before its replicate dim: fsdp's sharded parameters live on the dp dims followed by the
     others, FSDP2's on the SPMD mesh; the values agree."""
-    _train_like_fsdp2(ranks, 4, (shape, names, dims, True))
+    _train_like_fsdp2(ranks, 4, (shape, names, dims, sharded_data))
+
+
+def test_data_parallel_dim_between_two_tp_dims_on_8_ranks_trains_like_fsdp2(ranks) -> None:
+    """TP dims on both sides of the dp dim, each cutting the same tensor dim again (a 2-D TP
+    layout): the interleaving of fsdp's dims with the others, and the order of the TP cuts,
+    both matter here."""
+    _train_like_fsdp2(ranks, 8, ((2, 2, 2), ("m8_a", "m8_dp", "m8_b"), {"shard": "m8_dp"}, True))
 
 
 def test_flattened_shard_dims_then_tp_on_8_ranks_train_like_fsdp2(ranks) -> None:
