@@ -32,6 +32,7 @@ every rank alike.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -73,9 +74,9 @@ class TPLayout:
     local_shape: tuple[int, ...]
     mesh: DeviceMesh
 
-    @property
+    @functools.cached_property
     def tp_placements(self) -> tuple[Placement, ...]:
-        """The placements on the dims that are not fsdp's."""
+        """The placements on the dims that are not fsdp's (read on every gradient aim)."""
         return self.split(self.param_placements)[1]
 
     def split(self, placements: Sequence[Placement]
