@@ -147,3 +147,87 @@ def _separate_group_case(seed: int) -> list[str]:
 def test_reduce_scatter_over_a_group_of_its_own(ranks) -> None:
     for problems in ranks.run(3, _separate_group_case, 11):
         assert problems == []
+
+
+class _AllocatingBackend:
+    """A backend with its own allocator (as NCCL's), recording what it allocated."""
+
+    def __init__(self) -> None:
+        self.allocated: list[tuple[int, torch.dtype]] = []
+
+    def supports_tensor_alloc(self, device: torch.device) -> bool:
+        return True
+
+    def allocate_tensor(self, numel: int, *, dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:
+        self.allocated.append((numel, dtype))
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
+class _Group:
+    def __init__(self, backend: _AllocatingBackend) -> None:
+        self.backend = backend
+
+    def _get_backend(self, device: torch.device) -> _AllocatingBackend:
+        return self.backend
+
+
+def test_group_memory_takes_the_backends_allocator_where_it_has_one() -> None:
+    from dbuffer.collectives import GroupMemory
+
+    backend = _AllocatingBackend()
+    block = GroupMemory(_Group(backend)).allocate((3, 4), dtype=torch.bfloat16,
+                                                  device=torch.device("cpu"))
+    assert backend.allocated == [(12, torch.bfloat16)] and block.shape == (12,)
+
+
+def _group_memory_case(seed: int) -> list[str]:
+    """A buffer taking its collectives' memory from the process group: every buffer the
+    collectives touch comes from ``GroupMemory`` (gloo has no allocator of its own, so
+    ``torch.empty``), and the results equal the default's bit for bit."""
+    from dbuffer.collectives import GroupMemory
+
+    blocks: list[tuple[int, int]] = []
+    allocate = GroupMemory.allocate
+
+    def recorded(self, size, *, dtype, device):
+        if not self.group._get_backend(device).supports_tensor_alloc(device):
+            block = allocate(self, size, dtype=dtype, device=device)
+            blocks.append((block.data_ptr(), block.nbytes))
+            return block
+        raise AssertionError("gloo has an allocator")
+
+    GroupMemory.allocate = recorded
+    try:
+        p = random_plan(random.Random(seed), dist.get_world_size())
+        full = full_tensors(p, seed)
+        names = [e.name for e in p.entries]
+        problems = []
+        kwargs = {"compute_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+        ours, ref = DBuffer.from_tensors(full, p, **kwargs), DBuffer.from_tensors(full, p, **kwargs)
+        ours.set_group_memory(True)
+        for step, async_op in enumerate((False, True)):
+            (g1, r1), (g2, r2) = (_round(b, names, dist.get_rank(), step, async_op)
+                                  for b in (ours, ref))
+            if any(not torch.equal(g1[n], g2[n]) for n in names) or not torch.equal(r1, r2):
+                problems.append(f"round {step}: differs from the default buffers")
+        ours.all_gather()
+        touched = [ours.unsharded_buffer] + ([ours.grad_buffer] if ours.trainable else [])
+        held = [any(s <= t.data_ptr() and t.data_ptr() + t.nbytes <= s + n for s, n in blocks)
+                for t in touched]
+        if not all(held):
+            problems.append(f"unsharded / gradient buffer in the group's memory: {held}")
+        count = len(blocks)
+        ours.set_group_memory(False)
+        ours.free_unsharded()
+        ours.all_gather()
+        if len(blocks) != count:
+            problems.append("allocated from the group after set_group_memory(False)")
+        return problems
+    finally:
+        GroupMemory.allocate = allocate
+
+
+def test_group_memory_holds_the_collectives_buffers(ranks) -> None:
+    for problems in ranks.run(3, _group_memory_case, 7):
+        assert problems == []

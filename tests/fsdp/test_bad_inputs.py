@@ -118,9 +118,6 @@ CASES: dict[str, tuple[Callable[[Path], object], type[BaseException], str]] = {
                                       r"set_custom_reduce_scatter: comm must be None or a callable .*, got str"),
     "set_symm_mem_for_comm": (_setter("set_symm_mem_for_comm", "NCCL"), NotImplementedError,
                               r"set_symm_mem_for_comm: not a switch in fsdp; pass set_custom_all_gather"),
-    "set_allocate_memory_from_process_group_for_comm": (
-        _setter("set_allocate_memory_from_process_group_for_comm", True), NotImplementedError,
-        r"set_allocate_memory_from_process_group_for_comm: not a switch in fsdp"),
     "register_fsdp_forward_method-unknown": (_forward_method, ValueError, r"has no method 'generate'"),
     "optimizer_in_backward-plain-module": (_in_backward(_linear, lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
                                            TypeError, r"Sequential is not a module fully_shard was applied to"),

@@ -67,3 +67,76 @@ def test_custom_collectives_run_every_gather_and_reduction(ranks, mixed: bool) -
         assert gathers > 0 and scatters > 0
         assert fsdp["calls"] == torch_["calls"], out
         assert fsdp["in_comm_memory"] == [True] * STEPS, out
+
+
+def _group_memory_run(impl: str | None) -> dict[str, Any]:
+    """Training with ``set_allocate_memory_from_process_group_for_comm(True)`` on every
+    module (gloo has no allocator of its own: both systems fall back to ``torch.empty``);
+    for fsdp, how many buffers came through the group's allocator."""
+    from dbuffer.collectives import GroupMemory
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    allocations = []
+    allocate = GroupMemory.allocate
+
+    def counted(self, size, *, dtype, device):
+        allocations.append(size)
+        return allocate(self, size, dtype=dtype, device=device)
+
+    GroupMemory.allocate = counted
+    try:
+        if impl is not None:
+            api = import_fsdp(impl)
+            for layer in (model[0], model[2]):
+                api.fully_shard(layer)
+            api.fully_shard(model)
+            for module in (model, model[0], model[2]):
+                module.set_allocate_memory_from_process_group_for_comm(True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(STEPS):
+            if impl is None:
+                loss = sum(model(_batch(step, r)).pow(2).mean() for r in range(world)) / world
+            else:
+                loss = model(_batch(step, rank)).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        GroupMemory.allocate = allocate
+    return {"params": {n: full(p) for n, p in model.named_parameters()},
+            "allocations": len(allocations)}
+
+
+def _group_memory_case() -> dict[str, Any]:
+    ref = _group_memory_run(None)
+    out: dict[str, Any] = {}
+    for impl in ("torch", "fsdp"):
+        got = _group_memory_run(impl)
+        out[impl] = {"error": max((got["params"][n] - ref["params"][n]).abs().max().item()
+                                  for n in ref["params"]),
+                     "allocations": got["allocations"]}
+        model = _model()
+        api = import_fsdp(impl)
+        api.fully_shard(model)
+        model.set_custom_all_gather(RecordingAllGather())
+        try:
+            model.set_allocate_memory_from_process_group_for_comm(True)
+            out[impl]["with a custom comm"] = "no error"
+        except AssertionError as error:
+            out[impl]["with a custom comm"] = str(error)
+    return out
+
+
+def test_allocate_memory_from_process_group_trains_like_fsdp2(ranks) -> None:
+    """fsdp takes every collective buffer from the process group's allocator (counted) and
+    trains as close to one process as FSDP2 with the same call; with a custom all-gather
+    set, both raise FSDP2's ``AssertionError``."""
+    for out in ranks.run(3, _group_memory_case, timeout=300):
+        fsdp, torch_ = out["fsdp"], out["torch"]
+        assert fsdp["error"] <= max(2 * torch_["error"], 1e-5), out
+        assert fsdp["allocations"] > 0, out
+        for impl in (fsdp, torch_):
+            assert impl["with a custom comm"] == ("cannot call set_allocate_memory_from_process"
+                                                  "_group() when all gather comm is custom: "
+                                                  "RecordingAllGather"), out

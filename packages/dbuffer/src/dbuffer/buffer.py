@@ -39,6 +39,7 @@ from dbuffer import kernels
 from dbuffer.collectives import (
     AllGatherComm,
     CollectiveHandle,
+    GroupMemory,
     ReduceScatterComm,
     all_gather_into,
     all_reduce_sum,
@@ -186,6 +187,7 @@ class DBuffer:
                                               hint="call stash_grad() first")
         self._all_gather_comm: AllGatherComm | None = None
         self._reduce_scatter_comm: ReduceScatterComm | None = None
+        self._group_memory = False
         self._separate_reduce_scatter_group: dist.ProcessGroup | None = None
         self._views: dict[tuple[str, str], torch.Tensor] = {}
         self._dtensors: dict[tuple[str, str], DTensor] = {}
@@ -420,8 +422,8 @@ class DBuffer:
         self._piece = None
         group = self.topology.shard_group if piece is None else piece.group
         comm = self._all_gather_comm
-        self._unsharded.allocate(self._new(comm, self.world_size * S, self.compute_dtype,
-                                           self._unsharded.what))
+        self._unsharded.allocate(self._new(self._allocator(comm, group), self.world_size * S,
+                                           self.compute_dtype, self._unsharded.what))
         out = self._unsharded.tensor
         # Restored when the issue returns and again at the handle's wait (see FlatBuffer.writing).
         keep_version = torch.autograd._unsafe_preserve_version_counter(out)
@@ -501,7 +503,34 @@ class DBuffer:
         ``None`` when it shares the all-gather's shard group."""
         return self._separate_reduce_scatter_group
 
-    def _new(self, comm: AllGatherComm | ReduceScatterComm | None, numel: int,
+    def set_group_memory(self, enable: bool) -> None:
+        """Take the buffers the default collectives touch (the unsharded parameters, the
+        unsharded gradients and what the reduce-scatter reads and writes) from the process
+        group's own allocator (:class:`~dbuffer.collectives.GroupMemory`; FSDP2's
+        ``set_allocate_memory_from_process_group_for_comm``), from the next allocation on. A
+        custom collective's ``allocate`` still comes first.
+
+        Args:
+            enable: on or off.
+        """
+        self._group_memory = bool(enable)
+
+    def _allocator(self, comm: AllGatherComm | ReduceScatterComm | None,
+                   group: dist.ProcessGroup) -> AllGatherComm | ReduceScatterComm | GroupMemory | None:
+        """What allocates a buffer of ``comm``'s collective over ``group``: the custom comm,
+        the group's allocator (:meth:`set_group_memory`), or ``None`` (the device's)."""
+        if comm is None and self._group_memory:
+            return GroupMemory(group)
+        return comm
+
+    def _reduce_scatter_allocator(self) -> ReduceScatterComm | GroupMemory | None:
+        return self._allocator(self._reduce_scatter_comm, self._reduce_scatter_group)
+
+    @property
+    def _reduce_scatter_group(self) -> dist.ProcessGroup:
+        return self._separate_reduce_scatter_group or self.topology.shard_group
+
+    def _new(self, comm: AllGatherComm | ReduceScatterComm | GroupMemory | None, numel: int,
              dtype: torch.dtype, what: str) -> Callable[[], torch.Tensor] | None:
         """How a flat buffer that ``comm``'s collective touches gets its memory (``None``:
         the device allocator)."""
@@ -643,8 +672,8 @@ class DBuffer:
     def _allocated_grad(self) -> FlatBuffer:
         """The unsharded gradient buffer, allocated zero-filled (one launch) if freed."""
         grad = self._require_grad_buffer()
-        if grad.allocate(self._new(self._reduce_scatter_comm, grad.numel, self.compute_dtype,
-                                   grad.what)):
+        if grad.allocate(self._new(self._reduce_scatter_allocator(), grad.numel,
+                                   self.compute_dtype, grad.what)):
             kernels.zero_(grad.tensor)
         return grad
 
@@ -818,6 +847,7 @@ class DBuffer:
         self._fold_replaced_grads()
         grad = self._allocated_grad()
         comm = self._reduce_scatter_comm
+        memory = self._reduce_scatter_allocator()
         ranks = self.world_size * self.topology.replicate_size
         factor = 1.0 / ranks if op == "avg" else 1.0
         pre, post = (factor, 1.0) if predivide else (1.0, factor)
@@ -833,7 +863,7 @@ class DBuffer:
             if pre != 1.0:  # scaled in place: the unsharded gradients are consumed anyway
                 kernels.scale_(full, pre)
         else:
-            full = allocate(comm, grad.tensor.numel(), self.reduce_dtype, self.device,
+            full = allocate(memory, grad.tensor.numel(), self.reduce_dtype, self.device,
                             "reduce-dtype copy of the unsharded gradients")
             kernels.copy_cast_(full, grad.tensor, pre)
         if free_grad and full is not grad.tensor:
@@ -842,7 +872,7 @@ class DBuffer:
         accumulate = self._sharded_grad is not None
         direct = not accumulate and self.reduce_dtype == self.dtype and not partial_only
         if not accumulate and not partial_only:
-            self._sharded_grad = (allocate(comm, self.shard_size, self.dtype, self.device,
+            self._sharded_grad = (allocate(memory, self.shard_size, self.dtype, self.device,
                                            "sharded gradients") if direct else
                                   torch.empty(self.shard_size, dtype=self.dtype,
                                               device=self.device))
@@ -850,12 +880,12 @@ class DBuffer:
         if direct:
             out = sharded_grad
         else:
-            out = allocate(comm, self.shard_size, self.reduce_dtype, self.device,
+            out = allocate(memory, self.shard_size, self.reduce_dtype, self.device,
                            "reduce-scatter output")
         # The collective may use the input as scratch unless it is the gradient buffer the
         # caller keeps.
         consume = free_grad or full is not grad.tensor
-        group = self._separate_reduce_scatter_group or self.topology.shard_group
+        group = self._reduce_scatter_group
         work = reduce_scatter_into(out, full, group, async_op, comm, consume=consume)
 
         def finish() -> None:
@@ -987,8 +1017,8 @@ class DBuffer:
             return
         self._fold_replaced_grads()
         stash = self._grad_stash
-        if stash.allocate(self._new(self._reduce_scatter_comm, stash.numel, self.reduce_dtype,
-                                    stash.what)):
+        if stash.allocate(self._new(self._reduce_scatter_allocator(), stash.numel,
+                                    self.reduce_dtype, stash.what)):
             kernels.zero_(stash.tensor)
         kernels.add_(self._grad_stash.tensor, grad.tensor)
         self._release_grad()

@@ -23,11 +23,13 @@ temporary and are slower.
 A caller may replace either collective with its own (:class:`AllGatherComm`,
 :class:`ReduceScatterComm`: FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``
 interface): the object then allocates the buffers that collective touches
-(:func:`allocate`) and runs it on them.
+(:func:`allocate`) and runs it on them. Or it may keep the collectives and take their
+buffers from the process group's allocator (:class:`GroupMemory`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Protocol
@@ -104,6 +106,25 @@ class ReduceScatterComm(Protocol):
                  async_op: bool = False) -> dist.Work | None: ...
 
 
+class GroupMemory:
+    """Buffers from a process group's own allocator (FSDP2's
+    ``set_allocate_memory_from_process_group_for_comm``): the backend's ``allocate_tensor``
+    where it has one (NCCL's registered memory, which lets it transfer without copies, e.g.
+    over SHARP), ``torch.empty`` where it has none (gloo), as FSDP2 falls back. It has the
+    custom comms' ``allocate`` interface, so :func:`allocate` checks what it returns."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        numel = math.prod(size)
+        backend = self.group._get_backend(device)
+        if backend.supports_tensor_alloc(device):
+            return backend.allocate_tensor(numel, dtype=dtype, device=device)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
 def check_comm(comm: object, setter: str) -> None:
     """Raise ``TypeError`` naming ``setter`` unless ``comm`` is ``None`` or has the custom
     collective interface (a callable with a callable ``allocate``)."""
@@ -113,11 +134,11 @@ def check_comm(comm: object, setter: str) -> None:
                         f"ReduceScatter interface), got {type(comm).__name__}")
 
 
-def allocate(comm: AllGatherComm | ReduceScatterComm | None, numel: int, dtype: torch.dtype,
-             device: torch.device, what: str) -> torch.Tensor:
+def allocate(comm: AllGatherComm | ReduceScatterComm | GroupMemory | None, numel: int,
+             dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
     """A new 1-D buffer of ``numel`` elements for a collective: ``torch.empty``, or the
-    custom comm's ``allocate``, checked to own exactly that memory (DBuffer frees and
-    restores buffers in place, which needs a storage of its own).
+    custom comm's (or :class:`GroupMemory`'s) ``allocate``, checked to own exactly that
+    memory (DBuffer frees and restores buffers in place, which needs a storage of its own).
 
     Raises:
         TypeError: when the comm returns anything else, naming the comm and the buffer.

@@ -743,12 +743,32 @@ class FSDPModule:
             group.separate_reduce_scatter_group(enable, created)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Not supported as a switch: a custom comm whose ``allocate`` takes the backend's
-        memory does the same job (:meth:`set_custom_all_gather`)."""
-        raise NotImplementedError("set_allocate_memory_from_process_group_for_comm: not a "
-                                  "switch in fsdp; pass set_custom_all_gather / "
-                                  "set_custom_reduce_scatter a comm whose allocate() takes the "
-                                  "process group's memory")
+        """Take the buffers the collectives of this module's groups touch (the unsharded
+        parameters and gradients, what the reduce-scatter reads and writes) from the
+        process group's own allocator, as FSDP2 does: NCCL's registered memory lets it
+        transfer without copies (e.g. over SHARP); a backend without an allocator (gloo)
+        gets ``torch.empty``, as in FSDP2. The collectives stay fsdp's own (see
+        :meth:`dbuffer.DBuffer.set_group_memory`).
+
+        Args:
+            enable: on or off.
+
+        Raises:
+            AssertionError: while a custom all-gather or reduce-scatter is set (FSDP2's
+                rule and words; nothing changes).
+        """
+        groups = self._get_fsdp_state().groups
+        for group in groups:
+            for kind in ("all_gather", "reduce_scatter"):
+                comm = getattr(group.config, f"{kind}_comm")
+                if comm is not None:
+                    raise AssertionError(
+                        "cannot call set_allocate_memory_from_process_group() when "
+                        f"{kind.replace('_', ' ')} comm is custom: {type(comm).__name__}")
+        for group in groups:
+            group.config.group_memory = bool(enable)
+            for buffer in group.buffers:
+                buffer.set_group_memory(enable)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Not supported as a switch: a custom comm whose ``allocate`` takes symmetric memory

@@ -135,6 +135,8 @@ class GroupConfig:
     # FSDP2's custom collectives (FSDPModule.set_custom_all_gather / set_custom_reduce_scatter).
     all_gather_comm: AllGatherComm | None = None
     reduce_scatter_comm: ReduceScatterComm | None = None
+    # FSDPModule.set_allocate_memory_from_process_group_for_comm.
+    group_memory: bool = False
 
 
 class FSDPParamGroup:
@@ -847,6 +849,7 @@ class FSDPParamGroup:
         self.buffers[index] = target
         target.set_custom_all_gather(self.config.all_gather_comm)
         target.set_custom_reduce_scatter(self.config.reduce_scatter_comm)
+        target.set_group_memory(self.config.group_memory)
         target.set_reduce_scatter_group(old.separate_reduce_scatter_group)
         self._uninitialised.pop(id(old), None)  # the caller writes every parameter's values
         for p in list(self._params_of(old)):
