@@ -182,20 +182,18 @@ def test_group_memory_takes_the_backends_allocator_where_it_has_one() -> None:
 
 
 def _group_memory_case(seed: int) -> list[str]:
-    """A buffer taking its collectives' memory from the process group: every buffer the
-    collectives touch comes from ``GroupMemory`` (gloo has no allocator of its own, so
-    ``torch.empty``), and the results equal the default's bit for bit."""
+    """A buffer taking its collectives' memory from the process group (bf16 compute, fp32
+    reduce): each buffer the collectives write or the reduce-scatter reads comes from
+    ``GroupMemory`` (gloo has no allocator of its own, so ``torch.empty``), allocation by
+    allocation, and the results equal the default's bit for bit."""
     from dbuffer.collectives import GroupMemory
 
-    blocks: list[tuple[int, int]] = []
+    log: list[tuple[int, torch.dtype]] = []
     allocate = GroupMemory.allocate
 
     def recorded(self, size, *, dtype, device):
-        if not self.group._get_backend(device).supports_tensor_alloc(device):
-            block = allocate(self, size, dtype=dtype, device=device)
-            blocks.append((block.data_ptr(), block.nbytes))
-            return block
-        raise AssertionError("gloo has an allocator")
+        log.append((size[0], dtype))
+        return allocate(self, size, dtype=dtype, device=device)
 
     GroupMemory.allocate = recorded
     try:
@@ -211,17 +209,23 @@ def _group_memory_case(seed: int) -> list[str]:
                                   for b in (ours, ref))
             if any(not torch.equal(g1[n], g2[n]) for n in names) or not torch.equal(r1, r2):
                 problems.append(f"round {step}: differs from the default buffers")
-        ours.all_gather()
-        touched = [ours.unsharded_buffer] + ([ours.grad_buffer] if ours.trainable else [])
-        held = [any(s <= t.data_ptr() and t.data_ptr() + t.nbytes <= s + n for s, n in blocks)
-                for t in touched]
-        if not all(held):
-            problems.append(f"unsharded / gradient buffer in the group's memory: {held}")
-        count = len(blocks)
+        unsharded = p.world_size * p.shard_size
+        steps = [("all-gather", ours.all_gather, [(unsharded, torch.bfloat16)])]
+        if ours.trainable:
+            steps += [("gradient buffer", lambda: ours.grad_view(ours.trainable[0]),
+                       [(unsharded, torch.bfloat16)]),
+                      ("reduce-scatter", lambda: ours.reduce_scatter(free_grad=True),
+                       [(unsharded, torch.float32), (p.shard_size, torch.float32)])]
+        for what, run, expected in steps:
+            mark = len(log)
+            run()
+            if log[mark:] != expected:
+                problems.append(f"{what}: allocated {log[mark:]} from the group, not {expected}")
         ours.set_group_memory(False)
         ours.free_unsharded()
+        mark = len(log)
         ours.all_gather()
-        if len(blocks) != count:
+        if log[mark:]:
             problems.append("allocated from the group after set_group_memory(False)")
         return problems
     finally:

@@ -81,7 +81,7 @@ def _group_memory_run(impl: str | None) -> dict[str, Any]:
     allocate = GroupMemory.allocate
 
     def counted(self, size, *, dtype, device):
-        allocations.append(size)
+        allocations.append(size[0])
         return allocate(self, size, dtype=dtype, device=device)
 
     GroupMemory.allocate = counted
@@ -104,8 +104,20 @@ def _group_memory_run(impl: str | None) -> dict[str, Any]:
             optimizer.zero_grad()
     finally:
         GroupMemory.allocate = allocate
+    # each buffer's all-gather output and gradient buffer (world x S), and its sharded
+    # gradients (S), came through the group's allocator
+    missing = []
+    if impl == "fsdp":
+        from fsdp.state import get_state
+
+        for module in (model, model[0], model[2]):
+            group = get_state(module).group
+            for buffer in ([] if group is None else group.buffers):
+                for numel in (buffer.world_size * buffer.shard_size, buffer.shard_size):
+                    if numel not in allocations:
+                        missing.append(numel)
     return {"params": {n: full(p) for n, p in model.named_parameters()},
-            "allocations": len(allocations)}
+            "allocations": len(allocations), "missing": missing}
 
 
 def _group_memory_case() -> dict[str, Any]:
@@ -115,28 +127,33 @@ def _group_memory_case() -> dict[str, Any]:
         got = _group_memory_run(impl)
         out[impl] = {"error": max((got["params"][n] - ref["params"][n]).abs().max().item()
                                   for n in ref["params"]),
-                     "allocations": got["allocations"]}
-        model = _model()
+                     "allocations": got["allocations"], "missing": got["missing"]}
         api = import_fsdp(impl)
-        api.fully_shard(model)
-        model.set_custom_all_gather(RecordingAllGather())
-        try:
-            model.set_allocate_memory_from_process_group_for_comm(True)
-            out[impl]["with a custom comm"] = "no error"
-        except AssertionError as error:
-            out[impl]["with a custom comm"] = str(error)
+        for setter, comm in (("set_custom_all_gather", RecordingAllGather()),
+                             ("set_custom_reduce_scatter", RecordingReduceScatter())):
+            model = _model()
+            api.fully_shard(model)
+            getattr(model, setter)(comm)
+            try:
+                model.set_allocate_memory_from_process_group_for_comm(True)
+                out[impl][setter] = "no error"
+            except AssertionError as error:
+                out[impl][setter] = str(error)
     return out
 
 
 def test_allocate_memory_from_process_group_trains_like_fsdp2(ranks) -> None:
-    """fsdp takes every collective buffer from the process group's allocator (counted) and
-    trains as close to one process as FSDP2 with the same call; with a custom all-gather
-    set, both raise FSDP2's ``AssertionError``."""
+    """fsdp takes each buffer's all-gather output, gradient buffer and sharded gradients
+    from the process group's allocator (counted by size) and trains as close to one process
+    as FSDP2 with the same call; with a custom all-gather or reduce-scatter set, both raise
+    FSDP2's ``AssertionError``."""
     for out in ranks.run(3, _group_memory_case, timeout=300):
         fsdp, torch_ = out["fsdp"], out["torch"]
         assert fsdp["error"] <= max(2 * torch_["error"], 1e-5), out
-        assert fsdp["allocations"] > 0, out
+        assert fsdp["allocations"] > 0 and fsdp["missing"] == [], out
+        prefix = "cannot call set_allocate_memory_from_process_group() when "
         for impl in (fsdp, torch_):
-            assert impl["with a custom comm"] == ("cannot call set_allocate_memory_from_process"
-                                                  "_group() when all gather comm is custom: "
-                                                  "RecordingAllGather"), out
+            assert impl["set_custom_all_gather"] == (
+                prefix + "all gather comm is custom: RecordingAllGather"), out
+            assert impl["set_custom_reduce_scatter"] == (
+                prefix + "reduce scatter comm is custom: RecordingReduceScatter"), out

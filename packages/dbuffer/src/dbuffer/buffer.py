@@ -504,11 +504,14 @@ class DBuffer:
         return self._separate_reduce_scatter_group
 
     def set_group_memory(self, enable: bool) -> None:
-        """Take the buffers the default collectives touch (the unsharded parameters, the
-        unsharded gradients and what the reduce-scatter reads and writes) from the process
-        group's own allocator (:class:`~dbuffer.collectives.GroupMemory`; FSDP2's
+        """Take the buffers the default collectives write and the reduce-scatter reads (the
+        unsharded parameters or the FP8 all-gather's bytes, the unsharded gradients, the
+        reduce-dtype copy and the reduce-scatter's output) from the process group's own
+        allocator (:class:`~dbuffer.collectives.GroupMemory`; FSDP2's
         ``set_allocate_memory_from_process_group_for_comm``), from the next allocation on. A
-        custom collective's ``allocate`` still comes first.
+        custom collective's ``allocate`` still comes first. The all-gather's input stays
+        the sharded buffer itself (or its cast into the output), as DBuffer's copy-free
+        gather has it; FSDP2 copies it into its registered output first.
 
         Args:
             enable: on or off.

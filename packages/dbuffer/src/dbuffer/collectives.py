@@ -111,7 +111,8 @@ class GroupMemory:
     ``set_allocate_memory_from_process_group_for_comm``): the backend's ``allocate_tensor``
     where it has one (NCCL's registered memory, which lets it transfer without copies, e.g.
     over SHARP), ``torch.empty`` where it has none (gloo), as FSDP2 falls back. It has the
-    custom comms' ``allocate`` interface, so :func:`allocate` checks what it returns."""
+    custom comms' ``allocate`` interface, so :func:`allocate` checks what it returns. A
+    meta-device buffer (no memory) takes the device's allocator: no backend serves it."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -119,6 +120,8 @@ class GroupMemory:
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
         numel = math.prod(size)
+        if device.type == "meta":
+            return torch.empty(numel, dtype=dtype, device=device)
         backend = self.group._get_backend(device)
         if backend.supports_tensor_alloc(device):
             return backend.allocate_tensor(numel, dtype=dtype, device=device)

@@ -230,8 +230,8 @@ class QuantizedGather:
         with scope("dbuffer::fp8_all_gather"):
             segment = self.local_segment()
             comm = buffer._all_gather_comm
-            gathered = allocate(comm, self.wire_bytes, torch.uint8, buffer.device,
-                                "FP8 all-gather output")
+            gathered = allocate(buffer._allocator(comm, group), self.wire_bytes, torch.uint8,
+                                buffer.device, "FP8 all-gather output")
             work = all_gather_into(gathered, segment, group, async_op, comm)
         unsharded = buffer._unsharded
         unsharded.allocate()

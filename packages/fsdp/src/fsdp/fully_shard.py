@@ -743,12 +743,11 @@ class FSDPModule:
             group.separate_reduce_scatter_group(enable, created)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Take the buffers the collectives of this module's groups touch (the unsharded
-        parameters and gradients, what the reduce-scatter reads and writes) from the
-        process group's own allocator, as FSDP2 does: NCCL's registered memory lets it
+        """Take the buffers the collectives of this module's groups write and the
+        reduce-scatter reads (:meth:`dbuffer.DBuffer.set_group_memory`) from the process
+        group's own allocator, as FSDP2 does: NCCL's registered memory lets it
         transfer without copies (e.g. over SHARP); a backend without an allocator (gloo)
-        gets ``torch.empty``, as in FSDP2. The collectives stay fsdp's own (see
-        :meth:`dbuffer.DBuffer.set_group_memory`).
+        gets ``torch.empty``, as in FSDP2. The collectives stay fsdp's own.
 
         Args:
             enable: on or off.

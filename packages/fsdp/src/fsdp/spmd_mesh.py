@@ -10,9 +10,12 @@ TP dims: it shards each parameter's TP-local tensor in whole units over the ``sh
 and gives the module its unsharded parameter as the DTensor on ``world`` it was. Where the
 data-parallel dims lead ``world`` (replicate, then shard), the sharded parameter is a DTensor
 on ``world`` itself, placements ``(RaggedShard, *rest)`` (HSDP: ``(Replicate(), RaggedShard,
-*rest)``); elsewhere see below. Fsdp's error agreement runs along the data-parallel dims and
+*rest)``); elsewhere see below. fsdp's error agreement runs along the data-parallel dims and
 the dims some parameter is cut over (TP), not along a dim every parameter is
-``Replicate()`` on (a pipeline dim, whose ranks make other stages' calls). A gradient keeps what it has on the
+``Replicate()`` on (a pipeline dim, whose ranks make other stages' calls). Those dims are
+read from the parameters' placements, the same on every rank of a valid layout; a
+rank-local error in a group whose parameters are all ``Replicate()`` on a TP dim reaches its
+data-parallel peers only. A gradient keeps what it has on the
 data-parallel dims (``Partial`` or ``Replicate``): the reduce-scatter is its reduction,
 with no all-reduce before it, as in FSDP2. One accumulation (the gradients of a parameter
 between two reductions) holds one of the two: mixing them raises ``NotImplementedError``.
