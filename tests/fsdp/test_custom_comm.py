@@ -18,7 +18,6 @@ from tests.fsdp.test_all_reduce_hook import STEPS, _batch, _model
 
 
 def _run(impl: str | None, mixed: bool) -> dict[str, Any]:
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = _model()
     gather, scatter = RecordingAllGather(), RecordingReduceScatter()
     in_comm_memory: list[bool] = []
@@ -34,17 +33,23 @@ def _run(impl: str | None, mixed: bool) -> dict[str, Any]:
             module.set_custom_reduce_scatter(scatter)
         model[2].register_forward_pre_hook(
             lambda module, args: in_comm_memory.append(gather.last_holds(module.weight)))
+    _train(model, impl is None)
+    return {"params": {n: full(p) for n, p in model.named_parameters()},
+            "calls": (gather.calls, len(scatter.ops)), "in_comm_memory": in_comm_memory}
+
+
+def _train(model: torch.nn.Module, one_process: bool) -> None:
+    """``STEPS`` AdamW steps on this rank's batches, or in one process on every rank's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(STEPS):
-        if impl is None:
+        if one_process:
             loss = sum(model(_batch(step, r)).pow(2).mean() for r in range(world)) / world
         else:
             loss = model(_batch(step, rank)).float().pow(2).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return {"params": {n: full(p) for n, p in model.named_parameters()},
-            "calls": (gather.calls, len(scatter.ops)), "in_comm_memory": in_comm_memory}
 
 
 def _case(mixed: bool) -> dict[str, Any]:
@@ -75,7 +80,6 @@ def _group_memory_run(impl: str | None) -> dict[str, Any]:
     for fsdp, how many buffers came through the group's allocator."""
     from dbuffer.collectives import GroupMemory
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = _model()
     allocations = []
     allocate = GroupMemory.allocate
@@ -93,15 +97,7 @@ def _group_memory_run(impl: str | None) -> dict[str, Any]:
             api.fully_shard(model)
             for module in (model, model[0], model[2]):
                 module.set_allocate_memory_from_process_group_for_comm(True)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for step in range(STEPS):
-            if impl is None:
-                loss = sum(model(_batch(step, r)).pow(2).mean() for r in range(world)) / world
-            else:
-                loss = model(_batch(step, rank)).float().pow(2).mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        _train(model, impl is None)
     finally:
         GroupMemory.allocate = allocate
     # each buffer's all-gather output and gradient buffer (world x S), and its sharded

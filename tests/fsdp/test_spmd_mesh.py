@@ -230,29 +230,40 @@ def _train_like_fsdp2(ranks, world_size: int, args: tuple) -> list[dict]:
     return ours
 
 
+def _laid_out(mesh, dims: dict):
+    """:func:`_model` laid out on ``mesh`` for ``DataParallelMeshDims(**dims)``."""
+    model = _model()
+    _distribute(model, mesh, _dp_names(dims))
+    return model
+
+
+def _sharded_by_both(mesh, dims: dict) -> tuple:
+    """The laid-out model twice: sharded by fsdp (each block, then the root), and by FSDP2."""
+    import importlib
+
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    models = []
+    for impl in ("fsdp", "torch.distributed.fsdp"):
+        fully_shard = importlib.import_module(impl).fully_shard
+        model = _laid_out(mesh, dims)
+        for block in model:
+            fully_shard(block, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(**dims))
+        fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(**dims))
+        models.append(model)
+    return tuple(models)
+
+
 def _load_spmd_state_dict(shape: tuple[int, ...], names: tuple[str, ...], dims: dict) -> dict:
     """Load into fsdp's sharded parameters: the model's state dict from before
     ``fully_shard`` (DTensors on the SPMD mesh, values changed), then FSDP2's state dict of
     the same layout (for DDP: DTensors on the SPMD mesh too)."""
     import torch
-    from torch.distributed.fsdp import DataParallelMeshDims
-    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-
-    import fsdp
     from tests.harness import device_mesh
 
     mesh = device_mesh(*shape, names=names)
-    dp_mesh_dims = DataParallelMeshDims(**dims)
-    model, theirs = _model(), _model()
-    _distribute(model, mesh, _dp_names(dims))
-    _distribute(theirs, mesh, _dp_names(dims))
-    before = {k: v.detach() * 2 + 1 for k, v in model.state_dict().items()}
-    for block in model:
-        fsdp.fully_shard(block, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
-    fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
-    for block in theirs:
-        fsdp2_fully_shard(block, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
-    fsdp2_fully_shard(theirs, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+    before = {k: v.detach() * 2 + 1 for k, v in _laid_out(mesh, dims).state_dict().items()}
+    model, theirs = _sharded_by_both(mesh, dims)
     model.load_state_dict(before)
     first = all(torch.equal(p.full_tensor(), before[n].full_tensor())
                 for n, p in model.named_parameters())
@@ -303,24 +314,11 @@ def _checkpoints_case(shape: tuple[int, ...], names: tuple[str, ...], dims: dict
         get_model_state_dict,
         set_model_state_dict,
     )
-    from torch.distributed.fsdp import DataParallelMeshDims
-    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-
-    import fsdp
     from tests.harness import device_mesh
 
     mesh = device_mesh(*shape, names=names)
-    dp_mesh_dims = DataParallelMeshDims(**dims)
     full = {k: v.detach().clone() for k, v in _model().state_dict().items()}
-    model, theirs = _model(), _model()
-    _distribute(model, mesh, _dp_names(dims))
-    _distribute(theirs, mesh, _dp_names(dims))
-    for block in model:
-        fsdp.fully_shard(block, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
-    fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
-    for block in theirs:
-        fsdp2_fully_shard(block, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
-    fsdp2_fully_shard(theirs, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+    model, theirs = _sharded_by_both(mesh, dims)
     options = StateDictOptions(full_state_dict=True)
     out = get_model_state_dict(model, options=options)
     full_out = all(torch.equal(out[k], full[k]) for k in full)
