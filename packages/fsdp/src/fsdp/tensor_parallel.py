@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
@@ -47,6 +48,8 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from fsdp.managed_param import ManagedParam
 from fsdp.spmd_mesh import SPMDMesh, joined
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -79,11 +82,11 @@ class TPLayout:
         """The placements on the dims that are not fsdp's (read on every gradient aim)."""
         return self.split(self.param_placements)[1]
 
-    def split(self, placements: Sequence[Placement]
-              ) -> tuple[tuple[Placement, ...], tuple[Placement, ...]]:
-        """``placements`` on ``param_mesh`` as (those on fsdp's dims, those on the others)."""
-        dp = tuple(p for i, p in enumerate(placements) if i in self.dp_indices)
-        return dp, tuple(p for i, p in enumerate(placements) if i not in self.dp_indices)
+    def split(self, per_dim: Sequence[T]) -> tuple[tuple[T, ...], tuple[T, ...]]:
+        """``per_dim`` (one item per dim of ``param_mesh``: placements, dim names) as (those
+        of fsdp's dims, those of the others)."""
+        dp = tuple(x for i, x in enumerate(per_dim) if i in self.dp_indices)
+        return dp, tuple(x for i, x in enumerate(per_dim) if i not in self.dp_indices)
 
     def on_param_mesh(self, dp_placements: Sequence[Placement]) -> tuple[Placement, ...]:
         """Placements on ``param_mesh``: ``dp_placements`` on fsdp's dims (in order), the
