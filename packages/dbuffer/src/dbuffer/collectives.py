@@ -120,11 +120,10 @@ class GroupMemory:
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
         numel = math.prod(size)
-        if device.type == "meta":
-            return torch.empty(numel, dtype=dtype, device=device)
-        backend = self.group._get_backend(device)
-        if backend.supports_tensor_alloc(device):
-            return backend.allocate_tensor(numel, dtype=dtype, device=device)
+        if device.type != "meta":
+            backend = self.group._get_backend(device)
+            if backend.supports_tensor_alloc(device):
+                return backend.allocate_tensor(numel, dtype=dtype, device=device)
         return torch.empty(numel, dtype=dtype, device=device)
 
 
