@@ -12,7 +12,7 @@ steps (a gloo worker's free can race the training thread), then the largest over
 
 Models: ``llama1024`` (4 blocks, d_model 1024, 16 heads, SwiGLU 4096, vocab 1000, seq 16,
 batch 1 per rank: parameters dominate), ``train_step`` (``train_step.py``'s default:
-d_model 256, seq 128, batch 4: activations dominate) and ``small`` (2 blocks, d_model 64:
+d_model 256, seq 128, batch 4: activations dominate) and ``small`` (4 blocks, d_model 64:
 the suite's test model and the quick run's).
 
 ``--breakdown`` attributes the live bytes at each phase's peak (and at its peak without gloo's
@@ -82,7 +82,7 @@ MODELS = {
     "llama1024": ModelConfig(layers=4, dim=1024, heads=16, ffn=4096, vocab=1000, seq=16,
                              batch_per_rank=1),
     "train_step": ModelConfig(),
-    "small": ModelConfig(layers=2, dim=64, heads=4, ffn=160, vocab=100, seq=16, batch_per_rank=2),
+    "small": ModelConfig(layers=4, dim=64, heads=4, ffn=160, vocab=100, seq=16, batch_per_rank=2),
 }
 PHASES = ("forward", "backward", "optimizer", "between")
 WARMUP_STEPS = 2
