@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import inspect
 import json
 import re
 import sys
@@ -130,13 +131,18 @@ _LABELS: dict[int, str] = {}  # id(fsdp FlatBuffer) -> its group's module name
 # ----------------------------------------------------------------------- instrumentation
 @contextlib.contextmanager
 def _patched(cls: type, attr: str, make: Callable[[Any], Any]) -> Iterator[None]:
-    """``cls.attr = make(original)`` for the duration of the block."""
-    original = cls.__dict__[attr]
+    """``cls.attr = make(original)`` for the duration of the block (``original`` may be
+    inherited: DBuffer's collectives are defined in its lifecycle mixins)."""
+    own = attr in vars(cls)
+    original = inspect.getattr_static(cls, attr)
     setattr(cls, attr, make(original))
     try:
         yield
     finally:
-        setattr(cls, attr, original)
+        if own:
+            setattr(cls, attr, original)
+        else:
+            delattr(cls, attr)
 
 
 @contextlib.contextmanager
