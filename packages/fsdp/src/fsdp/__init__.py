@@ -39,4 +39,4 @@ __all__ = [
     "set_roll_call_timeout",
     "share_comm_ctx",
 ]
-__version__ = "0.15.0"
+__version__ = "0.15.1"

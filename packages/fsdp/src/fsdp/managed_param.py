@@ -67,6 +67,7 @@ class ManagedParam:
     on_accumulated: Callable[[ManagedParam], None] | None = None
     _param_fqn: str | None = None
     _first_grad_hook: RemovableHandle | None = field(default=None, repr=False)
+    _grads_hooked: bool = field(default=False, repr=False)
 
     @property
     def trainable(self) -> bool:
@@ -90,13 +91,25 @@ class ManagedParam:
 
     def unsharded_param(self) -> nn.Parameter:
         """The unsharded parameter, created on first use as a view of the unsharded buffer
-        (:meth:`_as_param_tensor` of it)."""
+        (:meth:`_as_param_tensor` of it), requiring a gradient exactly when the sharded one
+        does, as FSDP2 syncs it at every unshard: a parameter frozen after ``fully_shard``
+        must get no gradient (nothing would reduce or clear it, and the next step would add
+        it in), and one unfrozen gets its gradient hooks the first time it trains."""
         if self.unsharded is None:
             view = self._as_param_tensor(self.buffer.unsharded_view(self.name))
-            self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
-            if self.trainable:
-                self.unsharded.register_post_accumulate_grad_hook(self._note_grad)
+            self.unsharded = nn.Parameter(view, requires_grad=False)
+        trainable = self.sharded.requires_grad
+        if self.unsharded.requires_grad is not trainable:
+            self.unsharded.requires_grad_(trainable)
+            if trainable and not self._grads_hooked:
+                self._hook_grads(self.unsharded)
+                self._grads_hooked = True
         return self.unsharded
+
+    def _hook_grads(self, param: nn.Parameter) -> None:
+        """Register the unsharded parameter's gradient hooks (once per unsharded
+        parameter): the count of arrived gradients."""
+        param.register_post_accumulate_grad_hook(self._note_grad)
 
     def hook_first_grad(self, hooked: bool) -> None:
         """Call :attr:`on_grad` before this parameter's gradient is accumulated, or stop.
@@ -117,6 +130,7 @@ class ManagedParam:
         """Live in ``buffer`` from now on (a rebuilt DBuffer): the unsharded parameter, its
         hooks with it, is made again over the new buffer at the next unshard."""
         self.buffer, self.unsharded, self._first_grad_hook = buffer, None, None
+        self._grads_hooked = False
 
     def _before_accumulate(self, grad: torch.Tensor) -> None:
         """The pre-accumulate hook :meth:`hook_first_grad` registers (``grad`` is unused: the

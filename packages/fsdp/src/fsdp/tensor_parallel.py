@@ -306,14 +306,12 @@ class TPManagedParam(ManagedParam):
             return (Partial(),) * len(self._layout.dp_indices)
         return self.learned_grad_dp
 
-    def unsharded_param(self) -> nn.Parameter:
-        """As :meth:`ManagedParam.unsharded_param`; on an SPMD mesh each gradient's
+    def _hook_grads(self, param: nn.Parameter) -> None:
+        """As :meth:`ManagedParam._hook_grads`; on an SPMD mesh each gradient's
         data-parallel placements are checked first (:meth:`_check_grad_placements`)."""
-        created = self.unsharded is None
-        param = super().unsharded_param()
-        if created and self._layout.dp_indices and self.trainable:
+        super()._hook_grads(param)
+        if self._layout.dp_indices:
             param.register_hook(self._check_grad_placements)
-        return param
 
     def _check_grad_placements(self, grad: torch.Tensor) -> None:
         """Before autograd adds ``grad`` to ``.grad`` (on an SPMD mesh): learn its

@@ -1,0 +1,125 @@
+"""``requires_grad`` changed after ``fully_shard``, as fine-tuning schedules do (freeze a part
+for some steps, unfreeze it later), against one process and against FSDP2 in the same test
+(world sizes 2 and 3; a 3-rank cut leaves ranks with no rows of the small layers):
+
+* a whole group frozen for one step, then unfrozen: it gets no gradient that step, and the
+  next step's gradient is that step's alone (a gradient accumulated while frozen would be
+  added in);
+* a group frozen when ``fully_shard`` ran, unfrozen later: its buffer had no gradient memory;
+  it trains from then on;
+* frozen after ``fully_shard`` but before the first forward, unfrozen later;
+* one parameter of a group frozen while the rest trains;
+* everything frozen: the output does not require a gradient.
+
+Each step compares the loss, every ``.grad`` (``None`` where the reference has none) and
+every parameter after the optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.fsdp.models import full, import_fsdp
+from tests.harness import device_mesh
+
+STEPS = 4
+SCHEDULES: dict[str, dict[int, dict[str, bool]]] = {
+    # step -> {parameter name prefix: requires_grad}, applied before that step's forward
+    "group_frozen_one_step": {1: {"2.": False}, 2: {"2.": True}},
+    "frozen_at_fully_shard": {0: {"2.": False}, 2: {"2.": True}},
+    "frozen_before_first_forward": {0: {"0.": False}, 2: {"0.": True}},
+    "one_parameter_of_a_group": {1: {"0.weight": False}, 3: {"0.weight": True}},
+    "everything_frozen_one_step": {1: {"": False}, 2: {"": True}},
+}
+FROZEN_AT_SHARD = {"frozen_at_fully_shard"}
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(),
+                         nn.Linear(5, 3))
+
+
+def _inputs(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 7, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def _apply(model: nn.Module, changes: dict[str, bool]) -> None:
+    for name, param in model.named_parameters():
+        for prefix, requires_grad in changes.items():
+            if name.startswith(prefix):
+                param.requires_grad_(requires_grad)
+
+
+def _run(impl: str | None, schedule_name: str) -> list[dict[str, Any]]:
+    """Train ``STEPS`` steps of the schedule; per step: the loss, whether the output required
+    a gradient, every ``.grad`` (full) and every parameter after the step."""
+    schedule = SCHEDULES[schedule_name]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    if schedule_name in FROZEN_AT_SHARD:
+        _apply(model, schedule[0])
+    if impl is not None:
+        api = import_fsdp(impl)
+        mesh = device_mesh(world)
+        for layer in (model[0], model[2], model[4]):
+            api.fully_shard(layer, mesh=mesh)
+        api.fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    steps = []
+    for step in range(STEPS):
+        _apply(model, schedule.get(step, {}))
+        ranks = range(world) if impl is None else [rank]
+        losses = [model(_inputs(step, r)).pow(2).mean() for r in ranks]
+        loss = sum(losses) / len(losses)
+        if loss.requires_grad:
+            loss.backward()
+        loss = loss.detach().clone()
+        if impl is not None:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        grads = {n: None if p.grad is None else full(p.grad)
+                 for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        steps.append({"loss": float(loss), "output_requires_grad": losses[0].requires_grad,
+                      "grads": grads,
+                      "params": {n: full(p) for n, p in model.named_parameters()}})
+    return steps
+
+
+def _errors(got: list[dict[str, Any]], ref: list[dict[str, Any]]) -> dict[str, Any]:
+    """The largest difference from ``ref`` over all steps, and every mismatch in which
+    gradients exist or in whether the output required a gradient."""
+    error, mismatches = 0.0, []
+    for step, (g, r) in enumerate(zip(got, ref)):
+        error = max(error, abs(g["loss"] - r["loss"]))
+        if g["output_requires_grad"] != r["output_requires_grad"]:
+            mismatches.append((step, "output requires_grad", g["output_requires_grad"]))
+        for name, want in r["grads"].items():
+            have = g["grads"][name]
+            if (have is None) != (want is None):
+                mismatches.append((step, name, "grad is None" if have is None else "grad set"))
+            elif have is not None:
+                error = max(error, (have - want).abs().max().item())
+        for name, want in r["params"].items():
+            error = max(error, (g["params"][name] - want).abs().max().item())
+    return {"error": error, "mismatches": mismatches}
+
+
+def _case(schedule_name: str) -> dict[str, Any]:
+    ref = _run(None, schedule_name)
+    return {impl: _errors(_run(impl, schedule_name), ref) for impl in ("torch", "fsdp")}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("schedule_name", sorted(SCHEDULES))
+def test_requires_grad_changed_after_fully_shard_trains_like_fsdp2(ranks, world, schedule_name):
+    for out in ranks.run(world, _case, schedule_name):
+        assert out["torch"]["mismatches"] == [], out  # the reference and FSDP2 agree
+        assert out["fsdp"]["mismatches"] == [], out
+        assert out["fsdp"]["error"] <= max(2 * out["torch"]["error"], 1e-6), out
