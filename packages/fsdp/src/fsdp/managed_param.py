@@ -95,15 +95,17 @@ class ManagedParam:
         does, as FSDP2 syncs it at every unshard: a parameter frozen after ``fully_shard``
         must get no gradient (nothing would reduce or clear it, and the next step would add
         it in), and one unfrozen gets its gradient hooks the first time it trains."""
-        if self.unsharded is None:
-            view = self._as_param_tensor(self.buffer.unsharded_view(self.name))
-            self.unsharded = nn.Parameter(view, requires_grad=False)
         trainable = self.sharded.requires_grad
-        if self.unsharded.requires_grad is not trainable:
+        if self.unsharded is None:
+            # requires_grad given at creation: requires_grad_() raises under torch.func
+            # transforms, where a first forward may run
+            view = self._as_param_tensor(self.buffer.unsharded_view(self.name))
+            self.unsharded = nn.Parameter(view, requires_grad=trainable)
+        elif self.unsharded.requires_grad is not trainable:
             self.unsharded.requires_grad_(trainable)
-            if trainable and not self._grads_hooked:
-                self._hook_grads(self.unsharded)
-                self._grads_hooked = True
+        if trainable and not self._grads_hooked:
+            self._hook_grads(self.unsharded)
+            self._grads_hooked = True
         return self.unsharded
 
     def _hook_grads(self, param: nn.Parameter) -> None:
