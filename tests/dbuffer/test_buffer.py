@@ -378,6 +378,33 @@ def _frozen_case(case: Case) -> None:
             offset = p.entry(n).offset + start - buf.rank * p.shard_size
             assert not buf.sharded_grad_buffer[offset:offset + end - start].any()
             assert not buf.grad_buffer[p.entry(n).offset:p.entry(n).offset + p.entry(n).numel].any()
+    _unfrozen_case(case, frozen)
+
+
+def _unfrozen_case(case: Case, frozen: DBuffer) -> None:
+    """``add_trainable`` on a buffer built frozen: the added tensors get gradients that reduce
+    like any others, the rest stay frozen, and the unsharded views handed out before (which
+    a pending autograd graph may hold) stay the same objects over the same memory."""
+    p = case.plan
+    names = [e.name for e in p.entries]
+    added, still_frozen = names[:1], names[1:]
+    view = frozen.unsharded_view(added[0])  # gathered above
+    before = view.clone()
+    frozen.add_trainable(added)
+    frozen.add_trainable(added)  # again: no change
+    assert frozen.trainable == tuple(added)
+    assert frozen.requires_grad(added[0]) and not any(map(frozen.requires_grad, still_frozen))
+    assert frozen.unsharded_view(added[0]) is view and torch.equal(view, before)
+    for n in still_frozen:
+        with pytest.raises(ValueError, match=f"'{n}' is frozen"):
+            frozen.grad_view(n)
+    with pytest.raises(KeyError, match="not in this DBuffer"):
+        frozen.add_trainable(["no such tensor"])
+    _fill_grads(frozen, rank_grads(p, case.seed, dist.get_rank()))
+    frozen.reduce_scatter("sum")
+    reference = grad_sum(p, case.seed, dist.get_world_size())
+    assert torch.equal(frozen.sharded_grad_view(added[0]),
+                       local_piece(p, added[0], frozen.rank, reference[added[0]]).to(case.dtype))
 
 
 def _lifetime_cases(cases: list[Case]) -> None:

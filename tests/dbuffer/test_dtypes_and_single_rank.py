@@ -85,6 +85,11 @@ def _byte_case(plan_: object, dtype: torch.dtype) -> dict[str, object]:
         out["trainable"] = str(error)
     # the group is still usable: every rank left the failed construction at the same point
     buf = DBuffer.from_tensors(full, plan_, dtype=dtype, requires_grad=())
+    try:
+        buf.add_trainable(list(full)[:1])  # unfreezing later: no gradients of bytes either
+    except TypeError as error:
+        out["added"] = str(error)
+    out["still_frozen"] = buf.trainable == ()
     buf.all_gather()
     out["after"] = all(torch.equal(buf.unsharded_view(n).float(), t.float())
                        for n, t in full.items())
@@ -96,6 +101,7 @@ def test_frozen_byte_buffers_gather_bytes_exactly(ranks, dtype: torch.dtype) -> 
     p = random_plan(random.Random(8), 3)
     for out in ranks.run(3, _byte_case, p, dtype):
         assert "holds no gradients" in out["trainable"] and "dtype" in out["trainable"]
+        assert "holds no gradients" in out["added"] and out["still_frozen"]
         assert out["after"] is True
         if dtype.is_floating_point:
             assert "cast" not in out

@@ -9,7 +9,10 @@ for some steps, unfreeze it later), against one process and against FSDP2 in the
   it trains from then on;
 * frozen after ``fully_shard`` but before the first forward, unfrozen later;
 * one parameter of a group frozen while the rest trains;
-* everything frozen: the output does not require a gradient.
+* everything frozen: the output does not require a gradient;
+* unfrozen between a forward and its backward (that backward gives it no gradient: the
+  forward saw it frozen), and unfrozen after an asynchronous ``unshard()`` of its group
+  (the gather was already running).
 
 Each step compares the loss, every ``.grad`` (``None`` where the reference has none) and
 every parameter after the optimizer step.
@@ -28,15 +31,23 @@ from tests.fsdp.models import full, import_fsdp
 from tests.harness import device_mesh
 
 STEPS = 4
-SCHEDULES: dict[str, dict[int, dict[str, bool]]] = {
-    # step -> {parameter name prefix: requires_grad}, applied before that step's forward
-    "group_frozen_one_step": {1: {"2.": False}, 2: {"2.": True}},
-    "frozen_at_fully_shard": {0: {"2.": False}, 2: {"2.": True}},
-    "frozen_before_first_forward": {0: {"0.": False}, 2: {"0.": True}},
-    "one_parameter_of_a_group": {1: {"0.weight": False}, 3: {"0.weight": True}},
-    "everything_frozen_one_step": {1: {"": False}, 2: {"": True}},
+BEFORE, BETWEEN, AFTER_UNSHARD = "before the forward", "between forward and backward", (
+    "after an asynchronous unshard of the group")
+SCHEDULES: dict[str, list[tuple[int, str, dict[str, bool]]]] = {
+    # (step, when, {parameter name prefix: requires_grad})
+    "group_frozen_one_step": [(1, BEFORE, {"2.": False}), (2, BEFORE, {"2.": True})],
+    "frozen_at_fully_shard": [(0, BEFORE, {"2.": False}), (2, BEFORE, {"2.": True})],
+    "frozen_before_first_forward": [(0, BEFORE, {"0.": False}), (2, BEFORE, {"0.": True})],
+    "one_parameter_of_a_group": [(1, BEFORE, {"0.weight": False}),
+                                 (3, BEFORE, {"0.weight": True})],
+    "everything_frozen_one_step": [(1, BEFORE, {"": False}), (2, BEFORE, {"": True})],
+    "unfrozen_between_forward_and_backward": [(0, BEFORE, {"2.": False}),
+                                              (1, BETWEEN, {"2.": True})],
+    "unfrozen_after_an_async_unshard": [(0, BEFORE, {"2.": False}),
+                                        (1, AFTER_UNSHARD, {"2.": True})],
 }
-FROZEN_AT_SHARD = {"frozen_at_fully_shard"}
+FROZEN_AT_SHARD = {"frozen_at_fully_shard", "unfrozen_between_forward_and_backward",
+                   "unfrozen_after_an_async_unshard"}
 
 
 def _model() -> nn.Sequential:
@@ -56,14 +67,18 @@ def _apply(model: nn.Module, changes: dict[str, bool]) -> None:
                 param.requires_grad_(requires_grad)
 
 
+def _changes(schedule_name: str, step: int, when: str) -> dict[str, bool]:
+    return {prefix: flag for at, moment, changes in SCHEDULES[schedule_name]
+            if (at, moment) == (step, when) for prefix, flag in changes.items()}
+
+
 def _run(impl: str | None, schedule_name: str) -> list[dict[str, Any]]:
     """Train ``STEPS`` steps of the schedule; per step: the loss, whether the output required
     a gradient, every ``.grad`` (full) and every parameter after the step."""
-    schedule = SCHEDULES[schedule_name]
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model()
     if schedule_name in FROZEN_AT_SHARD:
-        _apply(model, schedule[0])
+        _apply(model, _changes(schedule_name, 0, BEFORE))
     if impl is not None:
         api = import_fsdp(impl)
         mesh = device_mesh(world)
@@ -73,10 +88,17 @@ def _run(impl: str | None, schedule_name: str) -> list[dict[str, Any]]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     steps = []
     for step in range(STEPS):
-        _apply(model, schedule.get(step, {}))
+        _apply(model, _changes(schedule_name, step, BEFORE))
+        after_unshard = _changes(schedule_name, step, AFTER_UNSHARD)
+        if after_unshard:
+            handle = model[2].unshard(async_op=True) if impl is not None else None
+            _apply(model, after_unshard)
         ranks = range(world) if impl is None else [rank]
         losses = [model(_inputs(step, r)).pow(2).mean() for r in ranks]
+        if after_unshard and handle is not None:
+            handle.wait()
         loss = sum(losses) / len(losses)
+        _apply(model, _changes(schedule_name, step, BETWEEN))
         if loss.requires_grad:
             loss.backward()
         loss = loss.detach().clone()

@@ -12,7 +12,7 @@ DBuffer's (``buffer.py``).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Literal
 
 import torch
@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from dbuffer import kernels
 from dbuffer.collectives import CollectiveHandle, all_reduce_sum, allocate, reduce_scatter_into
-from dbuffer.errors import FreedBufferError
+from dbuffer.errors import FreedBufferError, check_gradient_dtype
 from dbuffer.flat import FlatBuffer
 from dbuffer.freed import metadata_access
 from dbuffer.scopes import scope
@@ -42,17 +42,10 @@ class Gradients:
     _folded: dict[str, tuple[weakref.ref[torch.Tensor], int]]
 
     def _init_gradients(self) -> None:
-        n = self.world_size * self.shard_size
         self._grad = None
         self._grad_stash = None
         if self.trainable:
-            self._grad = FlatBuffer(n, self.compute_dtype, self.device,
-                                    "unsharded gradient buffer", allocated=False,
-                                    hint="call grad_view() or grad_buffer first")
-            if self.reduce_dtype != self.compute_dtype:
-                self._grad_stash = FlatBuffer(n, self.reduce_dtype, self.device,
-                                              "gradient stash", allocated=False,
-                                              hint="call stash_grad() first")
+            self._describe_grad_buffers()
         # HSDP reduce-scatter sums waiting for their all-reduce (reduce_scatter(all_reduce=False)).
         self._partial_reduce = None
         # The sharded gradients: a plain tensor DBuffer holds from a reduce-scatter until
@@ -65,6 +58,55 @@ class Gradients:
         # The last gradient fold_grad took per tensor (object and version), so the
         # reduce-scatter does not fold a parameter's ``.grad`` a hook already folded.
         self._folded = {}
+
+    def _describe_grad_buffers(self) -> None:
+        """The unsharded gradient buffer (and the stash of a wider ``reduce_dtype``), not
+        allocated: memory comes with the first gradient."""
+        n = self.world_size * self.shard_size
+        self._grad = FlatBuffer(n, self.compute_dtype, self.device, "unsharded gradient buffer",
+                                allocated=False, hint="call grad_view() or grad_buffer first")
+        if self.reduce_dtype != self.compute_dtype:
+            self._grad_stash = FlatBuffer(n, self.reduce_dtype, self.device, "gradient stash",
+                                          allocated=False, hint="call stash_grad() first")
+
+    def requires_grad(self, name: str) -> bool:
+        """Whether tensor ``name`` has gradients (``requires_grad`` at construction, or
+        :meth:`add_trainable` since).
+
+        Raises:
+            KeyError: for a name not in the buffer.
+        """
+        self._entry(name)
+        return name in self._trainable_set
+
+    def add_trainable(self, names: Collection[str]) -> None:
+        """Give frozen tensors gradients from now on (a parameter frozen when the buffer was
+        built and unfrozen since). Local, and touches no memory: gradient regions keep the
+        plan's layout whether a tensor is frozen or not, and gradient memory is allocated at
+        the first gradient anyway, so this only records the names; the unsharded and sharded
+        buffers, and every view handed out, stay as they are (a pending autograd graph keeps
+        working). Every rank must add the same names before its next reduction, as the
+        reduce-scatter reads the same regions on every rank.
+
+        Args:
+            names: tensors of the buffer.
+
+        Raises:
+            KeyError: for a name not in the buffer.
+            TypeError: when the buffer's dtypes hold no gradients (float8, integer, bool).
+        """
+        added = [n for n in names if not self.requires_grad(n)]
+        if not added:
+            return
+        for dtype, arg in ((self.dtype, "dtype"), (self.compute_dtype, "compute_dtype"),
+                           (self.reduce_dtype, "reduce_dtype")):
+            check_gradient_dtype(dtype, arg)
+        wanted = self._trainable_set.union(added)
+        self.trainable = tuple(n for n in self.names if n in wanted)
+        self._trainable_set = frozenset(self.trainable)
+        self._sharded_split_plan = None
+        if self._grad is None:
+            self._describe_grad_buffers()
 
     def _check_trainable(self, name: str) -> None:
         if name in self._trainable_set:

@@ -3,7 +3,7 @@ used at ``fully_shard`` time and again when ``model.to(dtype)`` needs a new buff
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 import torch.nn as nn
@@ -24,14 +24,15 @@ def buffer_dtypes(dtype: torch.dtype,
 
 
 def make_buffer(plan: Plan, mesh: DeviceMesh, *, device: torch.device, dtype: torch.dtype,
-                mp_policy: MixedPrecisionPolicy, trainable: bool,
+                mp_policy: MixedPrecisionPolicy, requires_grad: Collection[str],
                 full_tensors: Mapping[str, torch.Tensor] | None = None) -> DBuffer:
     """A DBuffer for ``plan``: master copy in ``dtype``, compute and reduction in the
-    policy's dtypes (:func:`buffer_dtypes`), gradient memory only when ``trainable``; filled
-    from ``full_tensors`` (each rank keeps its runs) when given."""
+    policy's dtypes (:func:`buffer_dtypes`), gradients for the tensors in ``requires_grad``;
+    filled from ``full_tensors`` (each rank keeps its runs) when given."""
     compute, reduce = buffer_dtypes(dtype, mp_policy)
+    every = set(requires_grad) == {e.name for e in plan.entries}
     kwargs = dict(device=device, dtype=dtype, compute_dtype=compute, reduce_dtype=reduce,
-                  requires_grad=None if trainable else ())
+                  requires_grad=None if every else tuple(requires_grad))
     if full_tensors is None:
         return DBuffer(plan, mesh, **kwargs)
     return DBuffer.from_tensors(full_tensors, plan, mesh, **kwargs)

@@ -154,8 +154,8 @@ class FSDPParamGroup:
         self.params = params
         self.mp_policy = mp_policy
         self.buffers = buffers
-        # Rebuilt buffers (dtype, device) keep their kind; a frozen one gains gradient memory
-        # when a parameter of it is unfrozen (_give_gradient_memory).
+        # Rebuilt buffers (dtype, device) keep their trainable tensors; a frozen buffer gains
+        # some when a parameter of it is unfrozen (_unfreeze).
         self._trainable_count = sum(1 for b in buffers if b.trainable)
         self.label = label
         # The modules' path from the root, set at the root's lazy init (FSDP2's name).
@@ -319,8 +319,19 @@ class FSDPParamGroup:
         for module, attr, p in self._slots:
             unsharded = p.unsharded
             if unsharded is None or unsharded.requires_grad is not p.sharded.requires_grad:
+                if p.trainable and not p.buffer.requires_grad(p.name):
+                    self._unfreeze(p)
                 unsharded = p.unsharded_param()  # made, or its requires_grad synced
             module._parameters[attr] = unsharded
+
+    def _unfreeze(self, param: ManagedParam) -> None:
+        """``param`` was frozen when ``fully_shard`` ran and requires a gradient now (FSDP2
+        trains a parameter unfrozen at any time): its buffer gives it gradients from now on,
+        in place (:meth:`dbuffer.DBuffer.add_trainable`), so views a pending graph holds stay
+        valid. Every rank unfreezes alike in SPMD training, as FSDP2's reduce-scatter sizes
+        also assume."""
+        param.buffer.add_trainable([param.name])
+        self._trainable_count = sum(1 for b in self.buffers if b.trainable)
 
     @_outside_functorch
     def unshard(self, async_op: bool = False) -> None:
@@ -334,22 +345,18 @@ class FSDPParamGroup:
         """
         if self._gathers is not None:
             return
-        unfrozen = self._unfrozen_buffers()
         if self.is_unsharded:
             fresh = self._gathered_versions == self._sharded_versions()
-            if fresh and not self._resharded_early and not unfrozen:
+            if fresh and not self._resharded_early:
                 self._register_unsharded()  # a requires_grad changed since is synced
                 return
             # The sharded parameters changed since the gather (an optimizer step while the
             # group stayed unsharded): the unsharded values are stale, gather again. So
-            # when some buffers were freed after their early reduction, or must get
-            # gradient memory.
+            # when some buffers were freed after their early reduction.
             self.to_sharded()
         self._adopt_assigned_params()
         if self._uninitialised:
             self._check_initialised()
-        for index in unfrozen:
-            self._give_gradient_memory(index)
         if not self.config.unshard_in_backward and self.training_state == TrainingState.PRE_BACKWARD:
             return
         with scope(f"FSDP::all_gather ({self.label})"):
@@ -363,24 +370,6 @@ class FSDPParamGroup:
 
     def _sharded_versions(self) -> list[int]:
         return [b.sharded_buffer._version for b in self.buffers]
-
-    def _unfrozen_buffers(self) -> list[int]:
-        """The buffers made without gradient memory (their parameters were frozen when
-        ``fully_shard`` ran) that hold a parameter requiring a gradient now."""
-        return [i for i, b in enumerate(self.buffers)
-                if not b.trainable and any(p.trainable for p in self._params_of(b))]
-
-    def _give_gradient_memory(self, index: int) -> None:
-        """Rebuild buffer ``index`` with gradient memory (same plan, dtype, device and
-        values; the parameters stay the same Python objects): FSDP2 trains a parameter
-        unfrozen at any time. Its parameters still frozen keep their gradient regions at
-        zero. Collective, like every DBuffer construction: SPMD training unfreezes alike on
-        every rank, as FSDP2's reduce-scatter sizes also assume."""
-        old = self.buffers[index]
-        target = self._rebuild_buffer(index, old.device, old.dtype, trainable=True)
-        with torch.no_grad():
-            target.sharded_buffer.copy_(old.sharded_buffer)
-        self._trainable_count += 1
 
     @_outside_functorch
     def wait_for_unshard(self) -> None:
@@ -863,18 +852,15 @@ class FSDPParamGroup:
                         p.sharded._local_tensor = p.local_of(view)
                     p.register(p.sharded)
 
-    def _rebuild_buffer(self, index: int, device: torch.device, dtype: torch.dtype, *,
-                        trainable: bool | None = None) -> DBuffer:
+    def _rebuild_buffer(self, index: int, device: torch.device, dtype: torch.dtype) -> DBuffer:
         """Replace ``self.buffers[index]`` by a new DBuffer on ``device`` in ``dtype`` (after
-        ``model.to(...)``, ``to_empty`` from meta, or meta parameters assigned real values),
-        with gradient memory when ``trainable`` (default: as the old one), and make each of
-        its parameters a sharded parameter over the new one (the same Python objects, so
-        optimizers keep them; values are the caller's to write). Collective, like every
-        DBuffer construction."""
+        ``model.to(...)``, ``to_empty`` from meta, or meta parameters assigned real values)
+        and make each of its parameters a sharded parameter over the new one (the same
+        Python objects, so optimizers keep them; values are the caller's to write). Collective,
+        like every DBuffer construction."""
         old = self.buffers[index]
-        trainable = bool(old.trainable) if trainable is None else trainable
         target = make_buffer(old.plan, old.topology.mesh, device=device, dtype=dtype,
-                             mp_policy=self.mp_policy, trainable=trainable)
+                             mp_policy=self.mp_policy, requires_grad=old.trainable)
         self.buffers[index] = target
         target.set_custom_all_gather(self.config.all_gather_comm)
         target.set_custom_reduce_scatter(self.config.reduce_scatter_comm)

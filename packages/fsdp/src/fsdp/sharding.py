@@ -320,7 +320,8 @@ def build_group(collected: list[Collected], units: dict[str, int], mesh: DeviceM
             full = None if meta else {n: stored[n] for n in names}
             buffer = make_buffer(plan, kind_mesh,
                                  device=torch.device("meta") if meta else device,
-                                 dtype=dtype, mp_policy=mp_policy, trainable=requires_grad,
+                                 dtype=dtype, mp_policy=mp_policy,
+                                 requires_grad=names if requires_grad else (),
                                  full_tensors=full)
             buffers.append(buffer)
             if meta:
