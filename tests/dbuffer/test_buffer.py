@@ -390,8 +390,16 @@ def _unfrozen_case(case: Case, frozen: DBuffer) -> None:
     added, still_frozen = names[:1], names[1:]
     view = frozen.unsharded_view(added[0])  # gathered above
     before = view.clone()
-    frozen.add_trainable(added)
-    frozen.add_trainable(added)  # again: no change
+    if still_frozen:
+        with pytest.warns(UserWarning, match=f"{len(still_frozen)} frozen tensor"):
+            frozen.add_trainable(added)  # the rest keep gradient space reserved: said so
+    else:
+        frozen.add_trainable(added)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        frozen.add_trainable(added)  # again: no change, no warning
+    with pytest.raises(TypeError, match="collection of tensor names"):
+        frozen.add_trainable(added[0])
     assert frozen.trainable == tuple(added)
     assert frozen.requires_grad(added[0]) and not any(map(frozen.requires_grad, still_frozen))
     assert frozen.unsharded_view(added[0]) is view and torch.equal(view, before)

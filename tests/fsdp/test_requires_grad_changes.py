@@ -9,7 +9,10 @@ for some steps, unfreeze it later), against one process and against FSDP2 in the
   it trains from then on;
 * frozen after ``fully_shard`` but before the first forward, unfrozen later;
 * one parameter of a group frozen while the rest trains;
-* everything frozen: the output does not require a gradient;
+* everything frozen: the output does not require a gradient, and no backward runs, so the
+  root (which holds a layer) stays unsharded and the next step unfreezes its unsharded
+  parameters, the ones registered then;
+* a buffer built frozen, unfrozen one tensor at a time;
 * unfrozen between a forward and its backward (that backward gives it no gradient: the
   forward saw it frozen), and unfrozen after an asynchronous ``unshard()`` of its group
   (the gather was already running).
@@ -45,9 +48,13 @@ SCHEDULES: dict[str, list[tuple[int, str, dict[str, bool]]]] = {
                                               (1, BETWEEN, {"2.": True})],
     "unfrozen_after_an_async_unshard": [(0, BEFORE, {"2.": False}),
                                         (1, AFTER_UNSHARD, {"2.": True})],
+    "a_frozen_buffer_unfrozen_one_tensor_at_a_time": [(0, BEFORE, {"2.": False}),
+                                                      (1, BEFORE, {"2.weight": True}),
+                                                      (2, BEFORE, {"2.bias": True})],
 }
 FROZEN_AT_SHARD = {"frozen_at_fully_shard", "unfrozen_between_forward_and_backward",
-                   "unfrozen_after_an_async_unshard"}
+                   "unfrozen_after_an_async_unshard",
+                   "a_frozen_buffer_unfrozen_one_tensor_at_a_time"}
 
 
 def _model() -> nn.Sequential:
@@ -82,8 +89,11 @@ def _run(impl: str | None, schedule_name: str) -> list[dict[str, Any]]:
     if impl is not None:
         api = import_fsdp(impl)
         mesh = device_mesh(world)
-        for layer in (model[0], model[2], model[4]):
+        for layer in (model[0], model[2]):
             api.fully_shard(layer, mesh=mesh)
+        # The root holds the last layer: it stays unsharded after a forward (the root's
+        # default), so a forward that needs no backward leaves the unsharded parameters
+        # registered, and the next step's requires_grad_ loop reaches those.
         api.fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     steps = []
@@ -141,7 +151,12 @@ def _case(schedule_name: str) -> dict[str, Any]:
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("schedule_name", sorted(SCHEDULES))
 def test_requires_grad_changed_after_fully_shard_trains_like_fsdp2(ranks, world, schedule_name):
+    """fsdp agrees with the one-process run, within twice FSDP2's error where FSDP2 agrees
+    too. FSDP2 does not everywhere: when everything was frozen for a step, unfreezing the
+    root's unsharded parameters (registered then) is undone at its next unshard, so the
+    root's layer gets no gradient again."""
     for out in ranks.run(world, _case, schedule_name):
-        assert out["torch"]["mismatches"] == [], out  # the reference and FSDP2 agree
         assert out["fsdp"]["mismatches"] == [], out
-        assert out["fsdp"]["error"] <= max(2 * out["torch"]["error"], 1e-6), out
+        fsdp2_agrees = not out["torch"]["mismatches"]
+        bound = max(2 * out["torch"]["error"], 1e-6) if fsdp2_agrees else 1e-5
+        assert out["fsdp"]["error"] <= bound, out

@@ -27,7 +27,6 @@ gradients) in ``gradients.py``, mixed into :class:`DBuffer`.
 from __future__ import annotations
 
 import hashlib
-import warnings
 from collections.abc import Callable, Collection, Mapping
 
 import torch
@@ -153,15 +152,7 @@ class DBuffer(UnshardedParams, Gradients):
         self._dtensors: dict[tuple[str, str], DTensor] = {}
         self._init_unsharded()
         self._init_gradients()
-        frozen = [n for n in self._entries if n not in self.trainable]
-        if self.trainable and frozen:
-            warnings.warn(
-                f"DBuffer: {len(frozen)} frozen tensor(s) ({', '.join(frozen[:4])}"
-                f"{', ...' if len(frozen) > 4 else ''}) keep {self.frozen_grad_bytes} bytes "
-                "of gradient buffer space reserved on this rank (unsharded and sharded "
-                "gradients; kept at zero), because gradient regions keep the parameters' "
-                "layout; give frozen tensors a DBuffer of their own (requires_grad=()) to "
-                "reserve none", UserWarning, stacklevel=3)
+        self._warn_reserved(stacklevel=4)
 
     # ----------------------------------------------------------------- construction helpers
     @classmethod

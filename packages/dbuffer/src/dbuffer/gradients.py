@@ -11,6 +11,7 @@ DBuffer's (``buffer.py``).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Collection
 from typing import Literal
@@ -95,6 +96,9 @@ class Gradients:
             KeyError: for a name not in the buffer.
             TypeError: when the buffer's dtypes hold no gradients (float8, integer, bool).
         """
+        if isinstance(names, (str, bytes)):
+            raise TypeError(f"add_trainable: names must be a collection of tensor names, got "
+                            f"the string {names!r}")
         added = [n for n in names if not self.requires_grad(n)]
         if not added:
             return
@@ -107,6 +111,20 @@ class Gradients:
         self._sharded_split_plan = None
         if self._grad is None:
             self._describe_grad_buffers()
+        self._warn_reserved(stacklevel=3)
+
+    def _warn_reserved(self, stacklevel: int) -> None:
+        """Warn when some tensors are trainable and some frozen: the frozen ones' regions of
+        the gradient buffers are reserved all the same."""
+        frozen = [n for n in self.names if n not in self._trainable_set]
+        if self.trainable and frozen:
+            warnings.warn(
+                f"DBuffer: {len(frozen)} frozen tensor(s) ({', '.join(frozen[:4])}"
+                f"{', ...' if len(frozen) > 4 else ''}) keep {self.frozen_grad_bytes} bytes "
+                "of gradient buffer space reserved on this rank (unsharded and sharded "
+                "gradients; kept at zero), because gradient regions keep the parameters' "
+                "layout; give frozen tensors a DBuffer of their own (requires_grad=()) to "
+                "reserve none", UserWarning, stacklevel=stacklevel)
 
     def _check_trainable(self, name: str) -> None:
         if name in self._trainable_set:
@@ -449,7 +467,8 @@ class Gradients:
         # view, and a reduction's gradients are asked for tensor by tensor right after it.
         sizes, index = self._sharded_split()
         pieces = self._sharded_grad.split_with_sizes(sizes)
-        self._sharded_grad_views.update((n, pieces[i]) for n, i in index.items())
+        for n, i in index.items():  # views handed out already stay the same objects
+            self._sharded_grad_views.setdefault(n, pieces[i])
         return self._sharded_grad_views[name]
 
     def _sharded_split(self) -> tuple[list[int], dict[str, int]]:

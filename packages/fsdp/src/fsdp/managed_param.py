@@ -68,6 +68,8 @@ class ManagedParam:
     _param_fqn: str | None = None
     _first_grad_hook: RemovableHandle | None = field(default=None, repr=False)
     _grads_hooked: bool = field(default=False, repr=False)
+    # requires_grad of both parameters at the last sync (unsharded_param)
+    _requires_grad: bool = field(default=False, repr=False)
 
     @property
     def trainable(self) -> bool:
@@ -92,18 +94,23 @@ class ManagedParam:
     def unsharded_param(self) -> nn.Parameter:
         """The unsharded parameter, created on first use as a view of the unsharded buffer
         (:meth:`_as_param_tensor` of it), requiring a gradient exactly when the sharded one
-        does, as FSDP2 syncs it at every unshard: a parameter frozen after ``fully_shard``
-        must get no gradient (nothing would reduce or clear it, and the next step would add
-        it in), and one unfrozen gets its gradient hooks the first time it trains."""
-        trainable = self.sharded.requires_grad
+        does: a parameter frozen after ``fully_shard`` must get no gradient (nothing would
+        reduce or clear it, and the next step would add it in), and one unfrozen gets its
+        gradient hooks the first time it trains. Either parameter may have been changed
+        since the last call: while the group stays unsharded the registered one, which a loop
+        over ``model.parameters()`` reaches, is the unsharded one; the one changed wins."""
         if self.unsharded is None:
             # requires_grad given at creation: requires_grad_() raises under torch.func
             # transforms, where a first forward may run
             view = self._as_param_tensor(self.buffer.unsharded_view(self.name))
-            self.unsharded = nn.Parameter(view, requires_grad=trainable)
-        elif self.unsharded.requires_grad is not trainable:
-            self.unsharded.requires_grad_(trainable)
-        if trainable and not self._grads_hooked:
+            self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
+        elif self.unsharded.requires_grad is not self.sharded.requires_grad:
+            if self.unsharded.requires_grad is not self._requires_grad:
+                self.sharded.requires_grad_(self.unsharded.requires_grad)
+            else:
+                self.unsharded.requires_grad_(self.sharded.requires_grad)
+        self._requires_grad = self.sharded.requires_grad
+        if self._requires_grad and not self._grads_hooked:
             self._hook_grads(self.unsharded)
             self._grads_hooked = True
         return self.unsharded

@@ -157,6 +157,7 @@ class FSDPParamGroup:
         # Rebuilt buffers (dtype, device) keep their trainable tensors; a frozen buffer gains
         # some when a parameter of it is unfrozen (_unfreeze).
         self._trainable_count = sum(1 for b in buffers if b.trainable)
+        self._unfrozen: set[int] = set()  # ids of buffers built frozen, given gradients since
         self.label = label
         # The modules' path from the root, set at the root's lazy init (FSDP2's name).
         self._module_fqn: str | None = None
@@ -319,9 +320,9 @@ class FSDPParamGroup:
         for module, attr, p in self._slots:
             unsharded = p.unsharded
             if unsharded is None or unsharded.requires_grad is not p.sharded.requires_grad:
+                unsharded = p.unsharded_param()  # made, or its requires_grad synced
                 if p.trainable and not p.buffer.requires_grad(p.name):
                     self._unfreeze(p)
-                unsharded = p.unsharded_param()  # made, or its requires_grad synced
             module._parameters[attr] = unsharded
 
     def _unfreeze(self, param: ManagedParam) -> None:
@@ -329,8 +330,11 @@ class FSDPParamGroup:
         trains a parameter unfrozen at any time): its buffer gives it gradients from now on,
         in place (:meth:`dbuffer.DBuffer.add_trainable`), so views a pending graph holds stay
         valid. Every rank unfreezes alike in SPMD training, as FSDP2's reduce-scatter sizes
-        also assume."""
+        also assume. The buffer is never reduced early (:meth:`_may_reduce_early`): it was
+        not split by backward order, so whether it completes before the group's children
+        run could differ across ranks."""
         param.buffer.add_trainable([param.name])
+        self._unfrozen.add(id(param.buffer))
         self._trainable_count = sum(1 for b in self.buffers if b.trainable)
 
     @_outside_functorch
@@ -518,7 +522,9 @@ class FSDPParamGroup:
         self._aimed.add(id(buffer))
         waiting = self._awaiting[id(buffer)] = set()
         for p in self._params_of(buffer):
-            if p.trainable and p.unsharded is not None:
+            # the unsharded parameter's flag: what autograd follows (a parameter unfrozen
+            # after this backward's forward gets no gradient from it)
+            if p.unsharded is not None and p.unsharded.requires_grad:
                 p.aim_grad()
                 waiting.add(p.name)
         if first:
@@ -583,7 +589,8 @@ class FSDPParamGroup:
         which FSDP2 asks for exactly such control flow: there the time of a reduction would
         differ across ranks, and NCCL can deadlock when ranks interleave collectives of
         different communicators (an expert-parallel all-to-all) in different orders."""
-        if not self._may_reduce_before_post_backward(buffer) or self._is_tail(buffer):
+        if (not self._may_reduce_before_post_backward(buffer) or self._is_tail(buffer)
+                or id(buffer) in self._unfrozen):
             return False
         left = [b for b in self.trainable_buffers if id(b) not in self._reduced_early]
         return len(left) > 1 and left[0] is buffer
@@ -862,6 +869,9 @@ class FSDPParamGroup:
         target = make_buffer(old.plan, old.topology.mesh, device=device, dtype=dtype,
                              mp_policy=self.mp_policy, requires_grad=old.trainable)
         self.buffers[index] = target
+        if id(old) in self._unfrozen:
+            self._unfrozen.discard(id(old))
+            self._unfrozen.add(id(target))
         target.set_custom_all_gather(self.config.all_gather_comm)
         target.set_custom_reduce_scatter(self.config.reduce_scatter_comm)
         target.set_group_memory(self.config.group_memory)
