@@ -34,8 +34,9 @@ from tests.fsdp.models import full, import_fsdp
 from tests.harness import device_mesh
 
 STEPS = 4
-BEFORE, BETWEEN, AFTER_UNSHARD = "before the forward", "between forward and backward", (
-    "after an asynchronous unshard of the group")
+BEFORE = "before the forward"
+BETWEEN = "between forward and backward"
+AFTER_UNSHARD = "after an asynchronous unshard of the group"
 SCHEDULES: dict[str, list[tuple[int, str, dict[str, bool]]]] = {
     # (step, when, {parameter name prefix: requires_grad})
     "group_frozen_one_step": [(1, BEFORE, {"2.": False}), (2, BEFORE, {"2.": True})],
