@@ -154,9 +154,6 @@ class FSDPParamGroup:
         self.params = params
         self.mp_policy = mp_policy
         self.buffers = buffers
-        # Rebuilt buffers (dtype, device) keep their trainable tensors; a frozen buffer gains
-        # some when a parameter of it is unfrozen (_unfreeze).
-        self._trainable_count = sum(1 for b in buffers if b.trainable)
         self._unfrozen: set[int] = set()  # ids of buffers built frozen, given gradients since
         self.label = label
         # The modules' path from the root, set at the root's lazy init (FSDP2's name).
@@ -335,7 +332,6 @@ class FSDPParamGroup:
         run could differ across ranks."""
         param.buffer.add_trainable([param.name])
         self._unfrozen.add(id(param.buffer))
-        self._trainable_count = sum(1 for b in self.buffers if b.trainable)
 
     @_outside_functorch
     def unshard(self, async_op: bool = False) -> None:
@@ -645,7 +641,7 @@ class FSDPParamGroup:
         a side output (kept on a module, added to the loss elsewhere) is not seen: its
         recompute then finds the freed parameters and raises
         (``fully_shard(..., backward_split=False)`` avoids that)."""
-        if self._trainable_count < 2 or self.reentrant_inside:
+        if len(self.trainable_buffers) < 2 or self.reentrant_inside:
             return  # once seen, assumed in every forward (a module may take either path)
         limit = _GRAPH_WALK_LIMIT * (1 + self.nested_groups)
         self.reentrant_inside = _holds_reentrant_checkpoint(outputs, self, limit)
@@ -747,7 +743,7 @@ class FSDPParamGroup:
         """At the post-backward of a group of several trainable buffers: every node of the
         group's backward has run, so the references to each gathered buffer's unsharded
         storage now are those that stay (its views): what :meth:`_reduce_early` compares."""
-        if self._trainable_count < 2 or not self.is_unsharded:
+        if len(self.trainable_buffers) < 2 or not self.is_unsharded:
             return
         for buffer in self.trainable_buffers:
             if buffer.is_unsharded:
